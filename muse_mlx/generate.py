@@ -1,0 +1,272 @@
+"""Text generation: ``generate_step`` -> ``stream_generate`` -> ``generate`` -> the CLI.
+
+Each layer is usable on its own from Python. The decode loop follows mlx-lm: the graph of
+step n+1 is built and queued (``mx.async_eval``) before token n is read back, so Python
+runs while the device computes. Prompts are pre-filled in chunks, evaluating the cache
+after each. The CLI prints what ``mlx_lm.generate`` prints, plus the weight bandwidth.
+
+    python -m muse_mlx.generate --prompt "Hello" --max-tokens 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Generator
+
+import mlx.core as mx
+
+from .errors import MuseError, RequestError
+from .sampling import make_sampler
+
+DEFAULT_MAX_TOKENS = 100
+DEFAULT_PREFILL_STEP = 512
+
+generation_stream = mx.new_thread_local_stream(mx.default_device())
+
+
+@dataclass
+class GenerationResponse:
+    """One step of :func:`stream_generate` (field names as in mlx-lm)."""
+
+    text: str
+    token: int
+    logprobs: mx.array
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: str | None = None
+
+
+def generate_step(
+    prompt: mx.array, model, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
+    prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None, prefill_callback=None,
+) -> Generator[tuple[int, mx.array], None, None]:
+    """Yield ``(token, logprobs)`` pairs, one per generated token, for a 1-D prompt of ids."""
+    if prompt.ndim != 1 or prompt.size == 0:
+        raise RequestError("the prompt must contain at least one token")
+    sampler = sampler or make_sampler()
+    cache = model.make_cache() if cache is None else cache
+
+    def step(y):
+        with mx.stream(generation_stream):
+            logits = model(y.reshape(1, -1), cache, last_only=True)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return sampler(logprobs)[0], logprobs[0]
+
+    with mx.stream(generation_stream):
+        done, total = 0, prompt.size - 1
+        while prompt.size > 1:
+            n = min(prefill_step_size, prompt.size - 1)
+            model(prompt[None, :n], cache, last_only=True)
+            mx.eval([c.state for c in cache])
+            prompt = prompt[n:]
+            done += n
+            if prefill_callback is not None:
+                prefill_callback(done, total)
+            mx.clear_cache()
+    y, logprobs = step(prompt)
+    mx.async_eval(y, logprobs)
+    n = 0
+    while n < max_tokens:
+        if n + 1 < max_tokens:
+            next_y, next_logprobs = step(y)
+            mx.async_eval(next_y, next_logprobs)
+        yield int(y.item()), logprobs
+        if n % 256 == 255:
+            mx.clear_cache()
+        n += 1
+        if n < max_tokens:
+            y, logprobs = next_y, next_logprobs
+
+
+def _prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        return tokenizer.encode(prompt)
+    ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if not ids:
+        raise RequestError("the prompt is empty")
+    return ids
+
+
+def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, **kwargs):
+    """Yield :class:`GenerationResponse` objects as text is produced.
+
+    ``prompt`` is text (encoded with the file's BOS rule) or a list of token ids.
+    Keyword arguments go to :func:`generate_step` (``sampler``, ``prefill_step_size``, ...).
+    """
+    if max_tokens < 1:
+        raise RequestError(f"max-tokens must be at least 1, got {max_tokens}")
+    ids = _prompt_ids(tokenizer, prompt)
+    limit = model.cfg.n_ctx_train
+    if len(ids) >= limit:
+        raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {limit}")
+    max_tokens = min(max_tokens, limit - len(ids))
+    for t in ids:
+        if not 0 <= t < model.cfg.vocab_size:
+            raise RequestError(f"token id {t} is outside the vocabulary (0..{model.cfg.vocab_size - 1})")
+    detok = tokenizer.detokenizer()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    n = 0
+    for n, (token, logprobs) in enumerate(
+        generate_step(mx.array(ids), model, max_tokens=max_tokens, **kwargs), start=1
+    ):
+        if n == 1:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(ids) / prompt_time
+            tic = time.perf_counter()
+        if token in tokenizer.eos_ids:
+            yield GenerationResponse(
+                detok.finalize(), token, logprobs, len(ids), prompt_tps, n,
+                n / max(time.perf_counter() - tic, 1e-9), mx.get_peak_memory() / 1e9, "stop",
+            )
+            return
+        text = detok.add_token(token)
+        if n == max_tokens:
+            text += detok.finalize()
+        yield GenerationResponse(
+            text, token, logprobs, len(ids), prompt_tps, n,
+            n / max(time.perf_counter() - tic, 1e-9), mx.get_peak_memory() / 1e9,
+            "length" if n == max_tokens else None,
+        )
+
+
+def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
+    """Generate and return the text; with ``verbose``, stream it and print mlx-lm's statistics."""
+    if verbose:
+        print("=" * 10, flush=True)
+    text, last = "", None
+    try:
+        for last in stream_generate(model, tokenizer, prompt, **kwargs):
+            text += last.text
+            if verbose:
+                print(last.text, end="", flush=True)
+    finally:
+        if verbose:
+            _print_stats(model, last)
+    return text
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights a decode step reads: every parameter except the embedding table."""
+    from mlx.utils import tree_flatten
+
+    embd = id(model.token_embd.weight)
+    seen, total = set(), 0
+    for _, a in tree_flatten(model.parameters()):
+        if id(a) not in seen and id(a) != embd:
+            seen.add(id(a))
+            total += a.nbytes
+    if model.cfg.tied_output:  # the tied head reads the whole table
+        total += model.token_embd.weight.nbytes
+    return total
+
+
+def _print_stats(model, last: GenerationResponse | None) -> None:
+    print()
+    print("=" * 10)
+    if last is None:
+        print("No text generated for this prompt")
+        return
+    print(f"Prompt: {last.prompt_tokens} tokens, {last.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {last.generation_tokens} tokens, {last.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {last.peak_memory:.3f} GB")
+    gbps = weight_bytes_per_token(model) * last.generation_tps / 1e9
+    print(f"Bandwidth achieved: {gbps:.3f} GB/s (weights read per token x generation tokens-per-sec)")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m muse_mlx.generate",
+        description="Generate text from a GGUF checkpoint with muse_mlx.",
+    )
+    p.add_argument("--model", help="path to a GGUF file (default: a tiny random-weight muse-glimmer demo, made on first use)")
+    p.add_argument("--prompt", "-p", default="Hello", help="the prompt; '-' reads it from stdin (default: %(default)s)")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 is off (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 is off (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the best probability (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    p.add_argument("--route", default="stock", help="'stock' (MLX's ops) or 'pinned' (reference-order kernels) (default: %(default)s)")
+    p.add_argument("--flag", action="append", default=[], dest="flags", metavar="NAME",
+                   help="opt-in pinned-route fusion, repeatable: tail_32sg, ffn_4r2s")
+    p.add_argument("--system-prompt", default=None, help="a system message for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true", help="encode the prompt as raw text (with the file's BOS rule)")
+    p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP, help="prompt tokens per prefill chunk (default: %(default)s)")
+    p.add_argument("--verbose", type=_str2bool, default=True, help="True: stream text and print statistics; False: print only the text (default: True)")
+    return p
+
+
+def _str2bool(s: str) -> bool:
+    if s.lower() in ("true", "1", "yes"):
+        return True
+    if s.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {s!r}")
+
+
+def build_prompt(tokenizer, prompt: str, system_prompt: str | None, ignore_chat_template: bool) -> list[int]:
+    """Token ids for a CLI prompt: rendered through the chat template when the file has one."""
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    if ignore_chat_template or not tokenizer.chat_template:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    # The template writes BOS itself, so the rendered text is encoded without special tokens.
+    return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+def main(argv=None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except MuseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from .loader import load
+    from .routes import make_route
+
+    sampler = make_sampler(args.temp, args.top_p, args.top_k, args.min_p)
+    if args.max_tokens < 1:
+        raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.prefill_step_size < 1:
+        raise RequestError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
+    route = make_route(args.route, args.flags)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    path = args.model
+    if path is None:
+        from .demo import DEMO_NOTE, demo_model_path
+
+        path = demo_model_path()
+        print(f"[muse_mlx] no --model given: {path} ({DEMO_NOTE})", file=sys.stderr)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    model, tokenizer = load(path, route=route)
+    ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
+    try:
+        text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
+                        sampler=sampler, prefill_step_size=args.prefill_step_size)
+    except KeyboardInterrupt:
+        print("\n[muse_mlx] interrupted", file=sys.stderr)
+        return 130
+    if not args.verbose:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Opening a GGUF file: the `gguf` package's memory-mapped reader behind typed, checked accessors.
+
+Nothing here copies tensor data: ``tensor(name).data`` is a numpy view into the mapping.
+Every failure is a :class:`GGUFError` (or :class:`ModelConfigError`) naming the file and
+the key or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from .errors import GGUFError, ModelConfigError
+from .quants import FORMATS
+
+GGUF_MAGIC = b"GGUF"
+
+_INT_TYPES = {
+    GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
+    GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64,
+}
+_FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
+
+
+class GGUFFile:
+    """A GGUF file opened read-only through ``gguf.GGUFReader``."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise GGUFError(self.path, "no such file")
+        if not self.path.is_file():
+            raise GGUFError(self.path, "not a regular file")
+        self.size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise GGUFError(self.path, f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        try:
+            self.reader = GGUFReader(self.path, "r")
+        except Exception as e:  # the reader raises ValueError/KeyError/IndexError on bad input
+            raise GGUFError(self.path, f"cannot parse the GGUF structure: {e}") from None
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self._check_tensor_extents()
+
+    # -- metadata -------------------------------------------------------------------
+
+    def has(self, key: str) -> bool:
+        return key in self.reader.fields
+
+    def _field(self, key: str):
+        field = self.reader.fields.get(key)
+        if field is None:
+            raise ModelConfigError(self.path, f"required metadata key '{key}' is missing")
+        return field
+
+    def _kind(self, key: str) -> tuple[GGUFValueType, GGUFValueType | None]:
+        types = self._field(key).types
+        return types[0], (types[-1] if types[0] == GGUFValueType.ARRAY else None)
+
+    def _wrong(self, key: str, expected: str) -> ModelConfigError:
+        main, sub = self._kind(key)
+        got = main.name + (f" of {sub.name}" if sub is not None else "")
+        return ModelConfigError(self.path, f"metadata key '{key}' has type {got}, expected {expected}")
+
+    def get_int(self, key: str, default: Any = ...) -> int:
+        if default is not ... and not self.has(key):
+            return default
+        main, _ = self._kind(key)
+        if main not in _INT_TYPES:
+            raise self._wrong(key, "an integer")
+        return int(self._field(key).contents())
+
+    def get_float(self, key: str, default: Any = ...) -> float:
+        if default is not ... and not self.has(key):
+            return default
+        main, _ = self._kind(key)
+        if main not in _FLOAT_TYPES and main not in _INT_TYPES:
+            raise self._wrong(key, "a number")
+        value = float(self._field(key).contents())
+        if not np.isfinite(value):
+            raise ModelConfigError(self.path, f"metadata key '{key}' is not finite ({value})")
+        return value
+
+    def get_str(self, key: str, default: Any = ...) -> str:
+        if default is not ... and not self.has(key):
+            return default
+        main, _ = self._kind(key)
+        if main != GGUFValueType.STRING:
+            raise self._wrong(key, "a string")
+        try:
+            return self._field(key).contents()
+        except UnicodeDecodeError:
+            raise ModelConfigError(self.path, f"metadata key '{key}' is not valid UTF-8") from None
+
+    def get_bool(self, key: str, default: Any = ...) -> bool:
+        if default is not ... and not self.has(key):
+            return default
+        main, _ = self._kind(key)
+        if main != GGUFValueType.BOOL:
+            raise self._wrong(key, "a bool")
+        return bool(self._field(key).contents())
+
+    def get_array(self, key: str, default: Any = ...) -> list:
+        if default is not ... and not self.has(key):
+            return default
+        main, _ = self._kind(key)
+        if main != GGUFValueType.ARRAY:
+            raise self._wrong(key, "an array")
+        try:
+            return self._field(key).contents()
+        except UnicodeDecodeError:
+            raise ModelConfigError(self.path, f"metadata key '{key}' holds strings that are not UTF-8") from None
+
+    def array_kind(self, key: str) -> GGUFValueType | None:
+        return self._kind(key)[1] if self.has(key) else None
+
+    # -- tensors --------------------------------------------------------------------
+
+    def _check_tensor_extents(self) -> None:
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > self.size:
+                raise GGUFError(
+                    self.path,
+                    f"tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes}, past the end of the file ({self.size} bytes)",
+                )
+
+    def tensor(self, name: str):
+        t = self.tensors.get(name)
+        if t is None:
+            raise ModelConfigError(self.path, f"required tensor '{name}' is missing")
+        if GGMLQuantizationType(t.tensor_type) not in FORMATS:
+            raise ModelConfigError(
+                self.path,
+                f"tensor '{name}' has type {GGMLQuantizationType(t.tensor_type).name}, which this engine does not support "
+                f"(supported: {', '.join(f.name for f in FORMATS.values())})",
+            )
+        return t
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape in row-major (numpy) order: ``(rows, cols)`` for a matrix stored as ggml ``{cols, rows}``."""
+        return tuple(int(d) for d in reversed(self.tensor(name).shape.tolist()))
+
+    def expect_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        got = self.shape(name)
+        if got != tuple(shape):
+            raise ModelConfigError(self.path, f"tensor '{name}' has shape {list(got)}, expected {list(shape)}")

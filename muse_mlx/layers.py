@@ -1,0 +1,80 @@
+"""Weight-holding modules: a quantized linear map, a quantized embedding table, a norm weight.
+
+They hold arrays in the form the route asked for at load time and do no arithmetic of
+their own beyond the embedding gather: every hot op goes through the route
+(:mod:`muse_mlx.routes`), the one place where stock and pinned divide.
+
+Forms of a :class:`QLinear` (attribute ``form``):
+  * ``"blocks"`` -- ``weight`` is the raw GGUF rows, uint8 ``[out, row_bytes]``;
+  * ``"affine"`` -- MLX affine quantization, group 32: ``weight`` (uint32), ``scales``
+    and ``biases`` (float32), exact for Q4_K/Q5_K/Q8_0 (see :func:`muse_mlx.quants.to_affine`);
+  * ``"dense"``  -- a float matrix ``[out, in]`` (F32/F16/BF16 tensors).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from gguf import GGMLQuantizationType as T
+
+from .quants import dequantize, to_affine
+
+
+class QLinear(nn.Module):
+    """``y = x @ W.T`` for a GGUF weight ``W [out, in]`` (no bias)."""
+
+    def __init__(self, raw: mx.array, qtype: T, in_features: int, out_features: int, form: str):
+        super().__init__()
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.form = form
+        if form == "affine":
+            self.weight, self.scales, self.biases, self.bits = to_affine(raw, qtype)
+        elif form == "dense":
+            self.weight = mx.view(raw, mx.bfloat16) if qtype == T.BF16 else raw
+        elif form == "blocks":
+            self.weight = raw
+        else:
+            raise ValueError(f"unknown linear form {form!r}")
+
+    def dequantized(self) -> mx.array:
+        """The float32 matrix ``[out, in]`` (built on demand; used by the stock Q6_K path and tests)."""
+        if self.form == "affine":
+            return mx.dequantize(self.weight, self.scales, self.biases, group_size=32, bits=self.bits)
+        if self.form == "dense":
+            return self.weight.astype(mx.float32)
+        return dequantize(self.weight, self.qtype)
+
+    def _extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}"
+
+
+class QEmbedding(nn.Module):
+    """Token embedding over quantized rows: gather the raw rows, then dequantize only those."""
+
+    def __init__(self, raw: mx.array, qtype: T, dim: int):
+        super().__init__()
+        self.qtype = qtype
+        self.dim = dim
+        self.weight = raw
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        rows = self.weight[tokens]
+        if self.qtype == T.BF16:
+            return mx.view(rows, mx.bfloat16).astype(mx.float32)
+        return dequantize(rows, self.qtype)
+
+
+class Norm(nn.Module):
+    """An RMSNorm weight and its epsilon; the route computes the norm."""
+
+    def __init__(self, weight: mx.array | None, eps: float):
+        super().__init__()
+        if weight is not None:
+            self.weight = weight
+        self.eps = eps
+
+    @property
+    def gamma(self) -> mx.array | None:
+        return self.get("weight")

@@ -1,0 +1,157 @@
+"""``muse_mlx.load``: a GGUF file -> (model, tokenizer), weights kept quantized on the device.
+
+Tensors are copied from the memory-mapped file one at a time and evaluated at once, so
+the peak is the model plus one tensor's temporaries, never two copies of the file
+(the mapping is page cache, which the OS reclaims). Every tensor is checked against the
+shape the configuration implies before anything is allocated for it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from tqdm import tqdm
+
+from .config import ModelConfig
+from .errors import ModelConfigError
+from .gguf_file import GGUFFile
+from .layers import Norm, QEmbedding, QLinear
+from .model import Model
+from .quants import FORMATS, QUANTIZED
+from .routes import Route, make_route
+from .tokenizer import Tokenizer
+
+# Progress is shown for files at least this large (or when asked).
+PROGRESS_MIN_BYTES = 256 << 20
+
+
+class _Weights:
+    """Reads tensors from an open GGUF file, checking shape, type and values."""
+
+    def __init__(self, f: GGUFFile, route: Route, progress: bool | None):
+        self.f = f
+        self.route = route
+        self.used: set[str] = set()
+        total = sum(t.n_bytes for t in f.tensors.values())
+        show = progress if progress is not None else (total >= PROGRESS_MIN_BYTES and sys.stderr.isatty())
+        self.bar = tqdm(
+            total=total, unit="B", unit_scale=True, desc=f"loading {f.path.name}", disable=not show, leave=False
+        )
+
+    def _raw(self, name: str, shape: tuple[int, ...]):
+        self.f.expect_shape(name, shape)
+        t = self.f.tensor(name)
+        self.used.add(name)
+        self.bar.update(t.n_bytes)
+        return t, T(t.tensor_type)
+
+    def norm(self, name: str, dim: int, eps: float) -> Norm:
+        t, qtype = self._raw(name, (dim,))
+        if qtype in QUANTIZED:
+            raise ModelConfigError(self.f.path, f"norm tensor '{name}' is {qtype.name}; norms must be F32/F16/BF16")
+        w = np.asarray(t.data)
+        w = w.view(np.uint16).astype(np.uint32) << 16 if qtype == T.BF16 else w
+        w = w.view(np.float32) if qtype == T.BF16 else w.astype(np.float32)
+        if not np.isfinite(w).all():
+            bad = int(np.flatnonzero(~np.isfinite(w))[0])
+            raise ModelConfigError(self.f.path, f"norm tensor '{name}' holds a non-finite value at index {bad} ({w[bad]})")
+        arr = mx.array(w.reshape(dim))
+        mx.eval(arr)
+        return Norm(arr, eps)
+
+    def _device(self, t) -> mx.array:
+        arr = mx.array(np.asarray(t.data))
+        mx.eval(arr)
+        return arr
+
+    def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
+        t, qtype = self._raw(name, (out_features, in_features))
+        fmt = FORMATS[qtype]
+        if in_features % fmt.block_size:
+            raise ModelConfigError(self.f.path, f"tensor '{name}' rows ({in_features}) are not whole {fmt.name} blocks")
+        lin = QLinear(self._device(t), qtype, in_features, out_features, self.route.form_for(qtype))
+        mx.eval(lin.parameters())
+        return lin
+
+    def embedding(self, name: str, vocab: int, dim: int):
+        t, qtype = self._raw(name, (vocab, dim))
+        raw = self._device(t)
+        return raw, qtype, QEmbedding(raw, qtype, dim)
+
+    def vector(self, name: str, n: int) -> mx.array:
+        t, qtype = self._raw(name, (n,))
+        if qtype != T.F32:
+            raise ModelConfigError(self.f.path, f"tensor '{name}' must be F32, got {qtype.name}")
+        return self._device(t)
+
+    def finish(self) -> None:
+        self.bar.close()
+        unused = sorted(set(self.f.tensors) - self.used)
+        if unused:
+            shown = ", ".join(unused[:5]) + (" ..." if len(unused) > 5 else "")
+            raise ModelConfigError(
+                self.f.path,
+                f"{len(unused)} tensor(s) this engine would ignore (refusing to run a different graph): {shown}",
+            )
+
+
+def load_model(path, route: str | Route = "stock", flags=(), progress: bool | None = None) -> Model:
+    """Load the model of a GGUF file on the given route (``"stock"`` or ``"pinned"``)."""
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    cfg = ModelConfig.from_gguf(f)
+    r = route if isinstance(route, Route) else make_route(route, flags)
+    w = _Weights(f, r, progress)
+    model = Model(cfg, r)
+    D, H = cfg.n_embd, cfg.head_dim
+    raw_embd, embd_type, model.token_embd = w.embedding("token_embd.weight", cfg.vocab_size, D)
+    for i, blk in enumerate(model.blk):
+        p = f"blk.{i}."
+        blk.attn_norm = w.norm(p + "attn_norm.weight", D, cfg.rms_eps)
+        blk.attn_q = w.linear(p + "attn_q.weight", cfg.q_width, D)
+        blk.attn_k = w.linear(p + "attn_k.weight", cfg.kv_width, D)
+        blk.attn_v = w.linear(p + "attn_v.weight", cfg.kv_width, D)
+        blk.attn_output = w.linear(p + "attn_output.weight", D, cfg.q_width)
+        if cfg.attn_gate:
+            blk.attn_gate = w.linear(p + "attn_gate.weight", cfg.q_width, D)
+        if cfg.qk_norm:
+            blk.attn_q_norm = w.norm(p + "attn_q_norm.weight", H, cfg.rms_eps)
+            blk.attn_k_norm = w.norm(p + "attn_k_norm.weight", H, cfg.rms_eps)
+        if cfg.post_norm_eps is not None:
+            blk.post_attention_norm = w.norm(p + "post_attention_norm.weight", D, cfg.post_norm_eps)
+            blk.post_ffw_norm = w.norm(p + "post_ffw_norm.weight", D, cfg.post_norm_eps)
+        blk.ffn_norm = w.norm(p + "ffn_norm.weight", D, cfg.rms_eps)
+        blk.ffn_gate = w.linear(p + "ffn_gate.weight", cfg.n_ff, D)
+        blk.ffn_up = w.linear(p + "ffn_up.weight", cfg.n_ff, D)
+        blk.ffn_down = w.linear(p + "ffn_down.weight", D, cfg.n_ff)
+    if cfg.rope_freq_factors:
+        factors = w.vector("rope_freqs.weight", cfg.rope_dims // 2)
+        # llama.cpp divides theta by the factor: theta = pos * base^(-2i/d) / factor.
+        exps = mx.arange(0, cfg.rope_dims, 2, dtype=mx.float32) / cfg.rope_dims
+        freqs = mx.power(mx.array(cfg.rope_base, dtype=mx.float32), exps) * factors
+        for blk in model.blk:
+            blk.rope_freqs = freqs
+    model.output_norm = w.norm("output_norm.weight", D, cfg.rms_eps)
+    if cfg.tied_output:
+        form = r.form_for(embd_type)
+        model.output = QLinear(raw_embd, embd_type, D, cfg.vocab_size, form)
+    else:
+        model.output = w.linear("output.weight", cfg.vocab_size, D)
+    mx.eval(model.parameters())
+    w.finish()
+    return model
+
+
+def load(path: str | os.PathLike, route: str | Route = "stock", flags=(), progress: bool | None = None):
+    """Load ``(model, tokenizer)`` from a GGUF file.
+
+    ``route`` is ``"stock"`` (MLX's ops) or ``"pinned"`` (reference-order kernels);
+    ``flags`` switches on the pinned route's opt-in fusions. Raises a
+    :class:`~muse_mlx.errors.MuseError` naming the file and the problem on bad input.
+    """
+    f = GGUFFile(path)
+    tokenizer = Tokenizer.from_gguf(f)  # first: a missing tokenizer fails before the weights load
+    return load_model(f, route, flags, progress), tokenizer

@@ -1,0 +1,184 @@
+"""The transformer as MLX modules, one graph for every supported architecture.
+
+Module attributes carry GGUF tensor names (``token_embd``, ``blk[i].attn_q``,
+``blk[i].post_attention_norm``, ``output_norm`` ...), so loading needs no rename table.
+The graph follows llama.cpp's ``src/models/muse-glimmer.cpp``; the other architectures
+switch parts of it off or on through :class:`~muse_mlx.config.ModelConfig`.
+
+The norm that opens each sub-block is computed by the *previous* tail, as the reference
+engine fuses it: a block receives ``(hidden, a)`` where ``a`` is its already-normed input,
+and returns ``(hidden, a_next)`` with the next layer's ``attn_norm`` (or ``output_norm``)
+applied. On the stock route that is just the same ops in the same order.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cache import make_cache
+from .config import ModelConfig
+from .layers import Norm, QEmbedding, QLinear
+from .routes import Route
+
+
+def attention_mask(T: int, offset: int, n_kept: int, window: int):
+    """Boolean mask ``[T, n_kept + T]`` (True = attend), or None when every key is visible.
+
+    Keys are the ``n_kept`` cached positions ending at ``offset - 1``, then the ``T`` new
+    ones. Query ``i`` sees key ``p`` iff ``p <= i`` and, with a window, ``i - p < window``
+    (llama.cpp's LLAMA_SWA_TYPE_STANDARD).
+    """
+    q_pos = offset + np.arange(T)[:, None]
+    k_pos = offset - n_kept + np.arange(n_kept + T)[None, :]
+    visible = k_pos <= q_pos
+    if window > 0:
+        visible &= (q_pos - k_pos) < window
+    if visible.all():
+        return None
+    return mx.array(visible)
+
+
+def attend(q, k, v, scale: float, mask, softcap: float | None):
+    """Softmax attention with GQA. ``k``/``v`` are the cache planes, read as float32."""
+    k, v = k.astype(mx.float32), v.astype(mx.float32)
+    if softcap is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    # gemma2's attention soft-cap has no fused MLX op: scores by hand, grouped for GQA.
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, H // Hkv, T, D)
+    s = (qg * scale) @ k[:, :, None].swapaxes(-1, -2)
+    s = mx.tanh(s / softcap) * softcap
+    if mask is not None:
+        s = mx.where(mask, s, -mx.inf)
+    p = mx.softmax(s, axis=-1, precise=True)
+    return (p @ v[:, :, None]).reshape(B, H, T, D)
+
+
+class Block(nn.Module):
+    """One transformer layer; attributes named like ``blk.N.*`` in the GGUF file."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.cfg = cfg
+        self.is_swa = cfg.swa_layers[layer]
+        self.use_rope = cfg.rope_layers[layer]
+        self.rope_base = cfg.layer_rope_base(layer)
+        self.rope_scale = cfg.layer_rope_scale(layer)
+        # Weights are attached by the loader: attn_norm, attn_q, attn_k, attn_v, attn_output,
+        # and where the architecture has them attn_gate, attn_q_norm, attn_k_norm,
+        # post_attention_norm, ffn_norm, ffn_gate, ffn_up, ffn_down, post_ffw_norm.
+        self.rope_freqs = None
+
+    def attention(self, a: mx.array, route: Route, mask, cache, kv_dtype) -> mx.array:
+        cfg = self.cfg
+        B, T, _ = a.shape
+        q = route.linear(a, self.attn_q).reshape(B, T, cfg.n_head, cfg.head_dim)
+        k = route.linear(a, self.attn_k).reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = route.linear(a, self.attn_v).reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        gate = route.linear(a, self.attn_gate) if cfg.attn_gate else None
+        if cfg.qk_norm:
+            q = route.norm(q, self.attn_q_norm)
+            k = route.norm(k, self.attn_k_norm)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        if self.use_rope:
+            offset = 0 if cache is None else cache.offset
+            q = self._rope(q, offset)
+            k = self._rope(k, offset)
+        if cfg.q_scale is not None:
+            q = q * np.float32(cfg.q_scale)
+        # llama.cpp's cache planes are f16, and attention reads the cache (the current token included).
+        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        o = attend(q, k, v, cfg.kq_scale, mask, cfg.attn_softcap)
+        o = o.transpose(0, 2, 1, 3).reshape(B, T, cfg.q_width)
+        if gate is not None:
+            o = route.attn_gate(o, gate)
+        return route.linear(o, self.attn_output)
+
+    def _rope(self, x: mx.array, offset: int) -> mx.array:
+        cfg = self.cfg
+        if self.rope_freqs is not None:
+            return mx.fast.rope(
+                x, cfg.rope_dims, traditional=cfg.rope_traditional, base=None,
+                scale=self.rope_scale, offset=offset, freqs=self.rope_freqs,
+            )
+        return mx.fast.rope(
+            x, cfg.rope_dims, traditional=cfg.rope_traditional, base=self.rope_base,
+            scale=self.rope_scale, offset=offset,
+        )
+
+    def __call__(self, hidden, a, route: Route, mask, cache, next_norm: Norm, kv_dtype=mx.float16):
+        o = self.attention(a, route, mask, cache, kv_dtype)
+        post = self.post_attention_norm if self.cfg.post_norm_eps is not None else None
+        hidden, f = route.residual_norm(hidden, o, post, self.ffn_norm)
+        mid = route.ffn_gate_up(f, self.ffn_gate, self.ffn_up, self.cfg.activation)
+        d = route.linear(mid, self.ffn_down)
+        post = self.post_ffw_norm if self.cfg.post_norm_eps is not None else None
+        return route.residual_norm(hidden, d, post, next_norm)
+
+
+class Model(nn.Module):
+    """``model(tokens)`` -> float32 logits ``[B, T, vocab]``; with a cache, continues decoding."""
+
+    def __init__(self, cfg: ModelConfig, route: Route):
+        super().__init__()
+        self.cfg = cfg
+        self.route = route
+        self.blk = [Block(cfg, i) for i in range(cfg.n_layer)]
+        # float16 as llama.cpp stores K/V; float32 keeps them unrounded (a more exact, larger cache).
+        self.kv_dtype = mx.float16
+        # token_embd, output_norm and output are attached by the loader.
+
+    def make_cache(self) -> list:
+        return make_cache(self.cfg)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Token rows (dequantized), scaled or normed as the architecture's graph does."""
+        cfg = self.cfg
+        x = self.token_embd(tokens)
+        if cfg.embed_scale is not None:
+            x = x * np.float32(cfg.embed_scale)  # ggml_scale by sqrtf(n_embd), in f32
+        if cfg.entry_norm:
+            x = self.route.norm(x, Norm(None, cfg.rms_eps))
+        return x
+
+    def __call__(self, tokens: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        cfg, route = self.cfg, self.route
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")
+        T = tokens.shape[1]
+        hidden = self.embed(tokens)
+        masks = self._masks(T, cache)
+        a = route.norm(hidden, self.blk[0].attn_norm)
+        for i, block in enumerate(self.blk):
+            nxt = self.blk[i + 1].attn_norm if i + 1 < cfg.n_layer else self.output_norm
+            c = None if cache is None else cache[i]
+            hidden, a = block(hidden, a, route, masks[block.is_swa], c, nxt, self.kv_dtype)
+        if last_only:
+            a = a[:, -1:, :]
+        logits = route.linear(a, self.output)
+        if cfg.logit_scale is not None:
+            logits = logits * np.float32(cfg.logit_scale)
+        if cfg.final_softcap is not None:
+            c = np.float32(cfg.final_softcap)
+            logits = mx.tanh(logits * (np.float32(1.0) / c)) * c
+        return logits
+
+    def _masks(self, T: int, cache):
+        """The two masks of a forward (global layers, sliding layers), made once."""
+        cfg = self.cfg
+        out = {}
+        for swa in (False, True):
+            layer = next((i for i, s in enumerate(cfg.swa_layers) if s == swa), None)
+            if layer is None:
+                continue
+            c = None if cache is None else cache[layer]
+            offset = 0 if c is None else c.offset
+            n_kept = 0 if c is None else c.n_kept
+            out[swa] = attention_mask(T, offset, n_kept, cfg.sliding_window if swa else 0)
+        return out

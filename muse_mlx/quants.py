@@ -1,0 +1,172 @@
+"""GGML block formats: the type table, dequantization in MLX ops, and the MLX affine repack.
+
+Every dequantizer here performs gguf-py's float operations in gguf-py's order
+(``(d*sc)*q - dmin*m`` for Q4_K/Q5_K, ``(d*sc)*q`` for Q6_K, ``q*d`` for Q8_0), each as
+its own uncompiled MLX op, so the results are bit-identical to ``gguf.quants.dequantize``
+(tests/test_quants.py checks it on every type).
+
+The raw GGUF blocks stay on the device as uint8 arrays ``[rows, row_bytes]``; nothing
+in this module expands a whole model to float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from gguf import GGMLQuantizationType as T
+
+QK_K = 256
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    block_size: int  # values per block
+    type_size: int  # bytes per block
+    affine_bits: int | None  # bits of the exact MLX affine (group 32) form, if any
+
+
+# The types this engine keeps on the device. Anything else is refused by name at load.
+FORMATS: dict[T, BlockFormat] = {
+    T.F32: BlockFormat("F32", 1, 4, None),
+    T.F16: BlockFormat("F16", 1, 2, None),
+    T.BF16: BlockFormat("BF16", 1, 2, None),
+    T.Q8_0: BlockFormat("Q8_0", 32, 34, 8),
+    T.Q4_K: BlockFormat("Q4_K", 256, 144, 4),
+    T.Q5_K: BlockFormat("Q5_K", 256, 176, 5),
+    T.Q6_K: BlockFormat("Q6_K", 256, 210, None),
+}
+
+QUANTIZED = (T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def row_bytes(qtype: T, n: int) -> int:
+    f = FORMATS[qtype]
+    return n // f.block_size * f.type_size
+
+
+def _f16(b: mx.array) -> mx.array:
+    """Two uint8 lanes (last axis) read as one little-endian float16, widened to float32."""
+    return mx.view(b, mx.float16).astype(mx.float32)
+
+
+def _k_scale_min(scales: mx.array) -> tuple[mx.array, mx.array]:
+    """The 12-byte Q4_K/Q5_K scale strip -> (sc, m), each [..., 8] uint8 (ggml get_scale_min_k4)."""
+    lo = scales[..., 0:4]
+    mid = scales[..., 4:8]
+    hi = scales[..., 8:12]
+    sc = mx.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = mx.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1)
+    return sc, m
+
+
+def _blocks(data: mx.array, qtype: T) -> mx.array:
+    """[..., row_bytes] -> [..., n_blocks, type_size]."""
+    f = FORMATS[qtype]
+    return data.reshape(*data.shape[:-1], data.shape[-1] // f.type_size, f.type_size)
+
+
+def _q4_k_parts(b: mx.array):
+    """Q4_K blocks [..., nb, 144] -> (scale [..., nb, 8], min [..., nb, 8], codes [..., nb, 8, 32])."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _k_scale_min(b[..., 4:16])
+    qs = b[..., 16:144].reshape(*b.shape[:-1], 4, 1, 32)
+    codes = mx.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    return d * sc.astype(mx.float32), dmin * m.astype(mx.float32), codes
+
+
+def _q5_k_parts(b: mx.array):
+    """Q5_K blocks [..., nb, 176] -> (scale, min, codes [..., nb, 8, 32])."""
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, m = _k_scale_min(b[..., 4:16])
+    qh = b[..., 16:48].reshape(*b.shape[:-1], 1, 32)
+    qs = b[..., 48:176].reshape(*b.shape[:-1], 4, 1, 32)
+    low = mx.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    shifts = mx.arange(8, dtype=mx.uint8).reshape(8, 1)
+    high = (qh >> shifts) & 0x01
+    return d * sc.astype(mx.float32), dmin * m.astype(mx.float32), low | (high << 4)
+
+
+def _q6_k_parts(b: mx.array):
+    """Q6_K blocks [..., nb, 210] -> (scale [..., nb, 16], codes - 32 as float [..., nb, 16, 16])."""
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
+    sc = mx.view(b[..., 192:208], mx.int8).astype(mx.float32)
+    d = _f16(b[..., 208:210])
+    low = mx.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(*lead, 8, 32)
+    shifts = mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(4, 1)
+    high = ((qh >> shifts) & 0x03).reshape(*lead, 8, 32)
+    q = (low | (high << 4)).astype(mx.int8) - 32
+    return d * sc, q.reshape(*lead, 16, 16).astype(mx.float32)
+
+
+def dequantize(data: mx.array, qtype: T) -> mx.array:
+    """Raw GGUF rows ``[..., row_bytes]`` (or float rows) -> float32 ``[..., n]``, bit-exact vs gguf-py."""
+    if qtype == T.F32:
+        return data
+    if qtype == T.F16:
+        return data.astype(mx.float32)
+    if qtype == T.BF16:
+        return mx.view(data, mx.bfloat16).astype(mx.float32)
+    b = _blocks(data, qtype)
+    lead = data.shape[:-1]
+    if qtype == T.Q8_0:
+        d = _f16(b[..., 0:2])
+        q = mx.view(b[..., 2:34], mx.int8).astype(mx.float32)
+        return (q * d).reshape(*lead, -1)
+    if qtype in (T.Q4_K, T.Q5_K):
+        scale, mn, codes = (_q4_k_parts if qtype == T.Q4_K else _q5_k_parts)(b)
+        out = scale[..., None] * codes.astype(mx.float32) - mn[..., None]
+        return out.reshape(*lead, -1)
+    if qtype == T.Q6_K:
+        scale, q = _q6_k_parts(b)
+        return (scale[..., None] * q).reshape(*lead, -1)
+    raise ValueError(f"no dequantizer for {qtype.name}")
+
+
+def _pack_lsb(codes: mx.array, bits: int) -> mx.array:
+    """Codes [..., n] (uint) -> MLX's packing: an LSB-first bit stream in uint32 words."""
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    per = 32 // bits if 32 % bits == 0 else None
+    c = codes.astype(mx.uint32)
+    if per is not None:
+        shifts = (mx.arange(per, dtype=mx.uint32) * bits).reshape(1, per)
+        words = (c.reshape(*lead, n // per, per) << shifts).sum(axis=-1)
+        return words.astype(mx.uint32)
+    # 5 bits: 32 codes fill exactly 5 words; split each code over at most two words.
+    groups = c.reshape(*lead, n // 32, 32)
+    pos = [i * bits for i in range(32)]
+    out = []
+    for w in range(bits):
+        # Codes starting in word w, plus the spill of codes that started in word w-1.
+        starts = mx.array([p // 32 == w for p in pos])
+        spills = mx.array([p // 32 == w - 1 and p % 32 + bits > 32 for p in pos])
+        shift = mx.array([p % 32 for p in pos], dtype=mx.uint32)
+        spill_shift = mx.array([(32 - p % 32) % 32 for p in pos], dtype=mx.uint32)
+        word = mx.where(starts, groups << shift, 0).sum(axis=-1)
+        word = word + mx.where(spills, groups >> spill_shift, 0).sum(axis=-1)
+        out.append(word.astype(mx.uint32))
+    return mx.stack(out, axis=-1).reshape(*lead, -1).astype(mx.uint32)
+
+
+def to_affine(data: mx.array, qtype: T) -> tuple[mx.array, mx.array, mx.array, int]:
+    """Raw rows -> MLX affine (group 32) ``(w, scales, biases, bits)`` with float32 scales.
+
+    Exact: scale = d*sc and bias = -(dmin*m) are exact float32 products, and scale*q is
+    exact too, so ``scale*q + bias`` rounds once, as gguf-py's ``d*q - dm`` does.
+    """
+    b = _blocks(data, qtype)
+    lead = data.shape[:-1]
+    if qtype == T.Q8_0:
+        d = _f16(b[..., 0:2])
+        codes = (mx.view(b[..., 2:34], mx.int8).astype(mx.int32) + 128).reshape(*lead, -1)
+        scales, biases = d.reshape(*lead, -1), (d * -128.0).reshape(*lead, -1)
+        return _pack_lsb(codes, 8), scales, biases, 8
+    if qtype in (T.Q4_K, T.Q5_K):
+        bits = FORMATS[qtype].affine_bits
+        scale, mn, codes = (_q4_k_parts if qtype == T.Q4_K else _q5_k_parts)(b)
+        w = _pack_lsb(codes.reshape(*lead, -1), bits)
+        return w, scale.reshape(*lead, -1), (-mn).reshape(*lead, -1), bits
+    raise ValueError(f"{qtype.name} has no exact MLX affine form")

@@ -1,0 +1,226 @@
+"""The tokenizer stored in a GGUF file, rebuilt on the `tokenizers` library.
+
+Two vocabulary kinds, as llama.cpp reads them (``src/llama-vocab.cpp``):
+
+* ``gpt2``: byte-level BPE with the file's merges, split first by the regex llama.cpp
+  names with ``tokenizer.ggml.pre``;
+* ``llama`` (SentencePiece): BPE over UTF-8 characters whose merges are every pair that
+  forms a vocabulary token, ranked by that token's score (llama.cpp's bigram queue), with
+  ``<0xNN>`` byte fallback and ``▁`` for spaces.
+
+BOS is added when ``tokenizer.ggml.add_bos_token`` says so (default: SPM yes, BPE no),
+control tokens in the text are parsed as specials, and the chat template, when present,
+is rendered with jinja2.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from .errors import ModelConfigError
+from .gguf_file import GGUFFile
+
+# llama.cpp's pre-tokenizer regexes (llm_tokenizer_bpe), by `tokenizer.ggml.pre`.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+PRE_TOKENIZERS = {
+    "default": _DEFAULT,
+    "gpt-2": [_GPT2],
+    "llama3": [_LLAMA3],
+    "llama-v3": [_LLAMA3],
+    "llama-bpe": [_LLAMA3],
+    "qwen2": [_QWEN2],
+}
+
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _bpe_pre_tokenizer(pre: str, path):
+    if pre not in PRE_TOKENIZERS:
+        raise ModelConfigError(
+            path, f"pre-tokenizer '{pre}' (tokenizer.ggml.pre) is not supported (supported: {', '.join(PRE_TOKENIZERS)})"
+        )
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+    return pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split (a, b) of a vocabulary token into two vocabulary tokens, best score first."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] in (TOKEN_NORMAL, TOKEN_USER, TOKEN_UNUSED)}
+    ranked = []
+    for t, i in vocab.items():
+        for cut in range(1, len(t)):
+            a, b = t[:cut], t[cut:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], i, cut, (a, b)))
+    ranked.sort()
+    return [pair for *_, pair in ranked]
+
+
+class Tokenizer:
+    """``encode(text) -> ids`` and ``decode(ids) -> text`` as llama.cpp does for this file."""
+
+    def __init__(self, backend: HFTokenizer, *, bos_id, eos_ids, add_bos: bool, chat_template, kind: str, tokens):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_ids = set(eos_ids)
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.kind = kind
+        self.tokens = tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_id is None else self.tokens[self.bos_id]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.tokens[min(self.eos_ids)] if self.eos_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the GGUF's chat template (jinja2, sandboxed, HF's whitespace settings)."""
+        if not self.chat_template:
+            raise ModelConfigError("tokenizer", "this model has no chat template (tokenizer.chat_template)")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+    def detokenizer(self) -> "StreamingDetokenizer":
+        return StreamingDetokenizer(self)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+        if not f.has("tokenizer.ggml.model"):
+            raise ModelConfigError(f.path, "the file has no tokenizer (metadata key 'tokenizer.ggml.model' is missing)")
+        kind = f.get_str("tokenizer.ggml.model")
+        tokens = f.get_array("tokenizer.ggml.tokens")
+        n = len(tokens)
+        types = f.get_array("tokenizer.ggml.token_type", [TOKEN_NORMAL] * n)
+        if len(types) != n:
+            raise ModelConfigError(f.path, f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+
+        def special_id(key):
+            if not f.has(key):
+                return None
+            i = f.get_int(key)
+            if not 0 <= i < n:
+                raise ModelConfigError(f.path, f"metadata key '{key}' = {i} is outside the vocabulary (0..{n - 1})")
+            return i
+
+        bos, eos, eot = (special_id(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "eot"))
+        unk = special_id("tokenizer.ggml.unknown_token_id")
+        if kind == "gpt2":
+            merges = f.get_array("tokenizer.ggml.merges", [])
+            vocab = {t: i for i, t in enumerate(tokens)}
+            pairs = []
+            for m in merges:
+                a, sep, b = m.partition(" ")
+                if not sep:
+                    raise ModelConfigError(f.path, f"tokenizer merge {m!r} is not of the form 'a b'")
+                pairs.append((a, b))
+            backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
+            backend.pre_tokenizer = _bpe_pre_tokenizer(f.get_str("tokenizer.ggml.pre", "default"), f.path)
+            backend.decoder = decoders.ByteLevel()
+            add_bos = f.get_bool("tokenizer.ggml.add_bos_token", False)
+        elif kind == "llama":
+            scores = f.get_array("tokenizer.ggml.scores", [0.0] * n)
+            if len(scores) != n:
+                raise ModelConfigError(f.path, f"tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+            vocab = {t: i for i, t in enumerate(tokens)}
+            unk_token = tokens[unk] if unk is not None else None
+            backend = HFTokenizer(
+                models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), unk_token=unk_token,
+                           byte_fallback=True, fuse_unk=True)
+            )
+            prefix = f.get_bool("tokenizer.ggml.add_space_prefix", True)
+            norms = [normalizers.Prepend("▁")] if prefix else []
+            backend.normalizer = normalizers.Sequence(norms + [normalizers.Replace(" ", "▁")])
+            steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+            backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+            add_bos = f.get_bool("tokenizer.ggml.add_bos_token", True)
+        else:
+            raise ModelConfigError(f.path, f"tokenizer model '{kind}' is not supported (supported: gpt2, llama)")
+        specials = [
+            AddedToken(tokens[i], special=types[i] == TOKEN_CONTROL, normalized=False)
+            for i in range(n)
+            if types[i] in (TOKEN_CONTROL, TOKEN_USER)
+        ]
+        backend.add_special_tokens([t for t in specials if t.special])
+        backend.add_tokens([t for t in specials if not t.special])
+        eos_ids = [i for i in (eos, eot) if i is not None]
+        template = f.get_str("tokenizer.chat_template", None)
+        return cls(backend, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, chat_template=template,
+                   kind=kind, tokens=tokens)
+
+
+class StreamingDetokenizer:
+    """Text as tokens arrive: emits only complete characters, re-decoding since the last newline."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.reset()
+
+    def reset(self):
+        self.tokens: list[int] = []
+        self.text = ""  # everything finalized so far
+        self._segment: list[int] = []
+        self._emitted = 0  # characters of the current segment already handed out
+
+    def add_token(self, token: int) -> str:
+        """Append a token and return the newly finished text (possibly empty)."""
+        self.tokens.append(token)
+        self._segment.append(token)
+        seg = self.tokenizer.decode(self._segment)
+        if seg.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            return ""
+        new = seg[self._emitted :]
+        self._emitted = len(seg)
+        if seg.endswith("\n"):
+            self.text += seg
+            self._segment, self._emitted = [], 0
+        return new
+
+    def finalize(self) -> str:
+        seg = self.tokenizer.decode(self._segment)
+        new = seg[self._emitted :]
+        self.text += seg
+        self._segment, self._emitted = [], 0
+        return new
+
+    @property
+    def last_segment(self) -> str:
+        return self.text

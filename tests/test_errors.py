@@ -1,0 +1,156 @@
+"""Bad files and bad requests fail with the project's own errors, naming the file and the problem."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
+
+from muse_mlx import GGUFError, ModelConfigError, RouteError, load, load_model
+from muse_mlx.routes import make_route
+from muse_mlx.writer import default_geometry, random_weights, write_gguf
+from muse_mlx.vocab import tiny_vocab
+
+
+def _write(tmp_path, arch="muse-glimmer", mutate=None, geometry=None, drop_keys=(), name="m.gguf", mix="f32"):
+    """A tiny checkpoint with its weights or metadata changed first."""
+    g = geometry or default_geometry(arch)
+    v = tiny_vocab()
+    w = random_weights(arch, g, len(v))
+    if mutate:
+        mutate(w)
+    path = tmp_path / name
+    write_gguf(path, arch, g, w, v, mix)
+    if drop_keys:
+        _rewrite(path, drop_keys)
+    return path
+
+
+def _rewrite(path, drop_keys=(), retype=None):
+    """Copy a GGUF through gguf-py's reader and writer, dropping keys or re-encoding tensors."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(path)
+    out = path.with_name("rewritten.gguf")
+    w = GGUFWriter(out, r.fields["general.architecture"].contents())
+    for k, f in r.fields.items():
+        if k in drop_keys or k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        if f.types[0] == GGUFValueType.ARRAY:
+            w.add_array(k, f.contents())
+        elif f.types[0] == GGUFValueType.STRING:
+            w.add_string(k, f.contents())
+        else:
+            w.add_key_value(k, f.contents(), f.types[0])
+    for t in r.tensors:
+        data, qtype = np.asarray(t.data), T(t.tensor_type)
+        if retype and t.name in retype:
+            qtype = retype[t.name]
+            data = gguf_quants.quantize(data, qtype)
+        w.add_tensor(t.name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shutil.move(out, path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(GGUFError, match="no such file") as e:
+        load(tmp_path / "nope.gguf")
+    assert "nope.gguf" in str(e.value)
+
+
+def test_not_a_gguf_file(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        load(p)
+
+
+def test_missing_rms_epsilon_names_the_key(tmp_path):
+    p = _write(tmp_path, drop_keys={"muse-glimmer.attention.layer_norm_rms_epsilon"})
+    with pytest.raises(ModelConfigError, match="'muse-glimmer.attention.layer_norm_rms_epsilon' is missing"):
+        load_model(p)
+
+
+def test_missing_logit_scale_names_the_key(tmp_path):
+    p = _write(tmp_path, drop_keys={"muse-glimmer.logit_scale"})
+    with pytest.raises(ModelConfigError, match="muse-glimmer.logit_scale"):
+        load_model(p)
+
+
+def test_unknown_architecture(tmp_path):
+    p = _write(tmp_path)
+    data = bytearray(p.read_bytes())
+    i = data.index(b"muse-glimmer")
+    data[i : i + 12] = b"muse-shimmer"  # same length: every offset stays valid
+    p.write_bytes(bytes(data))
+    with pytest.raises(ModelConfigError, match="architecture 'muse-shimmer' is not supported"):
+        load_model(p)
+
+
+def test_missing_tensor(tmp_path):
+    p = _write(tmp_path, mutate=lambda w: w.pop("blk.2.attn_gate.weight"))
+    with pytest.raises(ModelConfigError, match="'blk.2.attn_gate.weight' is missing"):
+        load_model(p)
+
+
+def test_wrong_tensor_shape(tmp_path):
+    def shrink(w):
+        w["blk.1.ffn_up.weight"] = w["blk.1.ffn_up.weight"][:256]
+    p = _write(tmp_path, mutate=shrink)
+    with pytest.raises(ModelConfigError, match=r"'blk.1.ffn_up.weight' has shape \[256, 256\], expected \[512, 256\]"):
+        load_model(p)
+
+
+def test_tensor_the_graph_would_ignore(tmp_path):
+    def extra(w):
+        w["blk.0.attn_q.bias"] = np.zeros(256, np.float32)
+    p = _write(tmp_path, mutate=extra)
+    with pytest.raises(ModelConfigError, match="would ignore.*blk.0.attn_q.bias"):
+        load_model(p)
+
+
+def test_non_finite_norm_weight(tmp_path):
+    def poison(w):
+        w["blk.3.ffn_norm.weight"][5] = np.nan
+    p = _write(tmp_path, mutate=poison)
+    with pytest.raises(ModelConfigError, match="'blk.3.ffn_norm.weight' holds a non-finite value at index 5"):
+        load_model(p)
+
+
+def test_unsupported_tensor_type(tmp_path):
+    p = _write(tmp_path, arch="llama")
+    _rewrite(p, retype={"blk.0.attn_q.weight": T.Q4_0})
+    with pytest.raises(ModelConfigError, match="'blk.0.attn_q.weight' has type Q4_0, which this engine does not support"):
+        load_model(p)
+
+
+def test_truncated_file(tmp_path):
+    p = _write(tmp_path)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(GGUFError):
+        load_model(p)
+
+
+def test_unknown_route_and_flags():
+    with pytest.raises(RouteError, match="unknown route 'fast'"):
+        make_route("fast")
+    with pytest.raises(RouteError, match="unknown flag"):
+        make_route("pinned", ["turbo"])
+    with pytest.raises(RouteError, match="apply only to the pinned route"):
+        make_route("stock", ["tail_32sg"])
+
+
+def test_missing_tokenizer(tmp_path):
+    g = default_geometry("llama")
+    w = random_weights("llama", g, 300)
+    p = write_gguf(tmp_path / "notok.gguf", "llama", g, w, None, "f32")
+    load_model(p)  # the model alone loads
+    with pytest.raises(ModelConfigError, match="the file has no tokenizer"):
+        load(p)

@@ -1,0 +1,126 @@
+"""The GGUF tokenizer: byte-level BPE and SentencePiece vocabularies, BOS, specials, templates, streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+from muse_mlx.gguf_file import GGUFFile
+from muse_mlx.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, Tokenizer
+from muse_mlx.vocab import SAMPLE_TEXT, Vocab, byte_alphabet, tiny_vocab, train_byte_bpe
+from muse_mlx.writer import Geometry, write_tiny
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces, tabs\tand\nnew lines\n\n",
+    "Unicode: café, naïve, 日本語, emoji 🙂 and 1234567 digits",
+    "it's we're they'll I'd",
+]
+
+
+def spm_vocab() -> Vocab:
+    """A small SentencePiece-style vocabulary: specials, 256 byte pieces, then scored pieces."""
+    pieces = ["▁", "▁t", "he", "▁the", "▁a", "in", "er", "▁w", "or", "ld", "▁wor", "▁world", "ll", "o", "llo",
+              "▁H", "▁He", "▁Hello"]
+    pieces += sorted(set(SAMPLE_TEXT) - {" "})
+    seen, uniq = set(), []
+    for p in pieces:
+        if p not in seen:
+            seen.add(p)
+            uniq.append(p)
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + uniq
+    types = [TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_CONTROL] + [TOKEN_BYTE] * 256 + [TOKEN_NORMAL] * len(uniq)
+    scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(uniq))]
+    return Vocab(tokens=tokens, merges=[], types=types, bos_id=1, eos_id=2, chat_template="",
+                 model="llama", scores=scores, unk_id=0)
+
+
+@pytest.fixture(scope="module")
+def bpe_path(tmp_path_factory):
+    vocab = train_byte_bpe([SAMPLE_TEXT] * 4 + TEXTS, 400)
+    return write_tiny(tmp_path_factory.mktemp("tok") / "bpe.gguf", "qwen3", "f32", vocab=vocab)
+
+
+@pytest.fixture(scope="module")
+def spm_path(tmp_path_factory):
+    return write_tiny(tmp_path_factory.mktemp("tok") / "spm.gguf", "llama", "f32", vocab=spm_vocab(),
+                      geometry=Geometry(n_layer=1))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_byte_bpe_round_trips(bpe_path, text):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id  # the file says add_bos_token = true
+    assert tok.decode(ids) == text
+
+
+def test_byte_bpe_uses_merges(bpe_path):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    ids = tok.encode("the quick brown fox", add_special_tokens=False)
+    assert len(ids) < len("the quick brown fox") // 2
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+def test_byte_bpe_alphabet_is_gpt2s():
+    alpha = byte_alphabet()
+    assert len(set(alpha)) == 256 and alpha[ord("A")] == "A" and alpha[ord(" ")] == "Ġ" and alpha[10] == "Ċ"
+
+
+def test_control_tokens_in_text_are_specials(bpe_path):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    ids = tok.encode("<|user|>hi<|eot|>", add_special_tokens=False)
+    assert ids[0] == tok.tokens.index("<|user|>") and ids[-1] == tok.tokens.index("<|eot|>")
+    assert tok.decode(ids) == "hi"  # control tokens are not printed
+    assert tok.decode(ids, skip_special_tokens=False) == "<|user|>hi<|eot|>"
+
+
+def test_eos_and_bos_come_from_the_file(bpe_path):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    assert tok.tokens[tok.bos_id] == "<|bos|>" and tok.eos_ids == {tok.tokens.index("<|eot|>")}
+
+
+def test_chat_template_renders(bpe_path):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<|bos|><|system|>Be brief.<|eot|><|user|>Hi<|eot|><|assistant|>"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_detokenizer_equals_full_decode(bpe_path, text):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    ids = tok.encode(text, add_special_tokens=False)
+    d = tok.detokenizer()
+    pieces = [d.add_token(i) for i in ids] + [d.finalize()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert all("\ufffd" not in p for p in pieces)  # never a half character
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_sentencepiece_round_trips_with_byte_fallback(spm_path, text):
+    tok = Tokenizer.from_gguf(GGUFFile(spm_path))
+    ids = tok.encode(text)
+    assert ids[0] == 1  # SPM default: BOS
+    assert tok.decode(ids) == text
+
+
+def test_sentencepiece_prefers_high_score_pieces(spm_path):
+    tok = Tokenizer.from_gguf(GGUFFile(spm_path))
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    assert [tok.tokens[i] for i in ids] == ["▁Hello", "▁world"]
+
+
+def test_writer_vocabulary_is_deterministic():
+    assert tiny_vocab().tokens == tiny_vocab().tokens and tiny_vocab().merges == tiny_vocab().merges
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("which", ["bpe", "spm"])
+def test_token_ids_match_llama_cpp(bpe_path, spm_path, which):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = bpe_path if which == "bpe" else spm_path
+    tok = Tokenizer.from_gguf(GGUFFile(path))
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    for text in TEXTS:
+        theirs = llm.tokenize(text.encode(), add_bos=True, special=True)
+        assert tok.encode(text) == theirs, text
