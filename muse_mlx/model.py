@@ -129,6 +129,7 @@ class Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.route = route
+        route.configure(cfg)
         self.blk = [Block(cfg, i) for i in range(cfg.n_layer)]
         # float16 as llama.cpp stores K/V; float32 keeps them unrounded (a more exact, larger cache).
         self.kv_dtype = mx.float16

@@ -15,10 +15,13 @@ Muser kernels) in order; see :mod:`muse_mlx.kernels`.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
+from . import kernels
 from .errors import RouteError
 from .layers import Norm, QLinear
 from .quants import FORMATS
@@ -29,16 +32,24 @@ ROUTES = ("stock", "pinned")
 PINNED_FLAGS = {
     "tail_32sg": "legacy one-token dual-eps tail (rsqrt, serial 32-partial combine): NOT exact vs llama.cpp",
     "ffn_4r2s": "fused Q4_K gate+up+activation kernel (ffn_q4k_gate_up_silu_4r2s): NOT exact vs llama.cpp",
+    "split_norm_f16": "cross-vendor seam: every norm split into an F16 unweighted RMS and an F16 weight multiply",
 }
 
 
 class Route:
-    """Base: the op set every route implements."""
+    """Base: the op set every route implements, and a count of the dispatches it issues."""
 
     name = "?"
 
     def __init__(self, flags: frozenset[str] = frozenset()):
         self.flags = flags
+        self.dispatches: Counter[str] = Counter()
+
+    def configure(self, cfg) -> None:
+        """Called once the model's configuration is known (the pinned route picks its norm geometry)."""
+
+    def count(self, op: str, n: int = 1) -> None:
+        self.dispatches[op] += n
 
     def form_for(self, qtype: T) -> str:
         raise NotImplementedError
@@ -57,7 +68,9 @@ class Route:
         raise NotImplementedError
 
     def ffn_gate_up(self, x: mx.array, gate: QLinear, up: QLinear, activation: str) -> mx.array:
-        # llama.cpp's build_ffn computes up first, then gate, then the GLU.
+        """The FFN's first half: ``act(x @ gate.T) * (x @ up.T)``.
+
+        llama.cpp's build_ffn computes up first, then gate, then the GLU."""
         u = self.linear(x, up)
         g = self.linear(x, gate)
         return self.glu(g, u, activation)
@@ -81,34 +94,108 @@ class StockRoute(Route):
         return "affine" if FORMATS[qtype].affine_bits else "blocks"
 
     def norm(self, x, norm):
+        self.count("rms_norm")
         return mx.fast.rms_norm(x, norm.gamma, norm.eps)
 
     def residual_norm(self, hidden, src, post, nxt):
-        hidden = hidden + (src if post is None else mx.fast.rms_norm(src, post.gamma, post.eps))
-        return hidden, mx.fast.rms_norm(hidden, nxt.gamma, nxt.eps)
+        if post is not None:
+            src = self.norm(src, post)
+        self.count("add")
+        hidden = hidden + src
+        return hidden, self.norm(hidden, nxt)
 
     def linear(self, x, w):
         if w.form == "affine":
+            self.count("quantized_matmul")
             return mx.quantized_matmul(
                 x, w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=w.bits
             )
+        self.count("dequantize_matmul" if w.form == "blocks" else "matmul")
         return x @ w.dequantized().T
 
     def glu(self, gate, up, activation):
+        self.count(activation + "_mul", 2)
         act = nn.silu(gate) if activation == "silu" else nn.gelu_approx(gate)
         return act * up
 
     def attn_gate(self, o, g):
+        self.count("sigmoid_mul", 2)
         return o * mx.sigmoid(g)
 
 
 class PinnedRoute(Route):
-    """Custom kernels in the reference engine's float-operation order (issue: pinned kernels)."""
+    """Custom kernels whose float operations follow the reference engine in order.
+
+    Serving defaults as the reference engine has them (seeds Ch 12 §12.5, Ch 18 §18.6):
+    llama's standalone norm for the entry norm, layer 0's pre-norm and the QK-norms; the
+    exact dual-epsilon tail after every sandwich sub-block; the FFN as two ggml Q4_K matvecs
+    plus ``silu_mul_inplace``; the Q6_K matvec where tensors are Q6_K. Q5_K/Q8_0/float
+    tensors have no pinned kernel and take the stock op. Opt-in flags swap in the legacy
+    fusions (``tail_32sg``, ``ffn_4r2s``) or the cross-vendor split norm (``split_norm_f16``).
+    """
 
     name = "pinned"
 
     def __init__(self, flags=frozenset()):
-        raise RouteError("the pinned route is not yet available in this build; use route='stock'")
+        super().__init__(flags)
+        self.geometry = "llama"
+        self._stock = StockRoute()
+
+    def configure(self, cfg):
+        # The seeds pin next_pow2 threads for muse-glimmer; today's llama.cpp rounds up to 32.
+        self.geometry = "seeds" if cfg.arch == "muse-glimmer" else "llama"
+
+    def form_for(self, qtype: T) -> str:
+        if qtype in (T.Q4_K, T.Q6_K):
+            return "blocks"
+        return self._stock.form_for(qtype)
+
+    def norm(self, x, norm):
+        if "split_norm_f16" in self.flags and norm.gamma is not None:
+            self.count("rms_norm_f16 + mul_f16", 2)
+            return kernels.rms_norm_f16(x, norm.gamma, norm.eps, self.geometry).astype(mx.float32)
+        self.count("rms_norm_mul")
+        return kernels.rms_norm_mul(x, norm.gamma, norm.eps, geometry=self.geometry)
+
+    def residual_norm(self, hidden, src, post, nxt):
+        if post is None or "split_norm_f16" in self.flags:
+            if post is not None:
+                src = self.norm(src, post)
+            self.count("add")
+            hidden = hidden + src
+            return hidden, self.norm(hidden, nxt)
+        if "tail_32sg" in self.flags:
+            self.count("fused_norm_residual_rms_norm_32sg")
+            return kernels.tail_32sg(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps)
+        self.count("fused_norm_residual_rms_norm_batch_dual_eps")
+        return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
+
+    def linear(self, x, w):
+        if w.form == "blocks" and w.qtype == T.Q4_K:
+            self.count("mul_mv_q4_K_f32")
+            return kernels.mul_mv_q4_K(x, w.weight)
+        if w.form == "blocks" and w.qtype == T.Q6_K:
+            self.count("mul_mv_q6_K_f32")
+            return kernels.mul_mv_q6_K(x, w.weight)
+        self.count("stock_linear")
+        return self._stock.linear(x, w)
+
+    def glu(self, gate, up, activation):
+        self.count(f"{activation}_mul_inplace")
+        return (kernels.silu_mul if activation == "silu" else kernels.gelu_mul)(gate, up)
+
+    def ffn_gate_up(self, x, gate, up, activation):
+        # The dtype guard of seeds Ch 18 §18.6: the fused kernel exists for Q4_K only.
+        fusable = all(w.form == "blocks" and w.qtype == T.Q4_K for w in (gate, up))
+        if "ffn_4r2s" in self.flags and fusable:
+            self.count("ffn_q4k_gate_up_silu_4r2s")
+            return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
+        return super().ffn_gate_up(x, gate, up, activation)
+
+    def attn_gate(self, o, g):
+        # ggml_sigmoid (1/(1+exp(-x))) then ggml_mul, as MLX ops: no custom kernel of its own.
+        self.count("sigmoid_mul", 2)
+        return o * (1.0 / (1.0 + mx.exp(-g)))
 
 
 def make_route(name: str = "stock", flags=()) -> Route:

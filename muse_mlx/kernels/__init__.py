@@ -1,0 +1,33 @@
+"""Pinned-exact kernels: Metal sources run through ``mx.fast.metal_kernel`` (Apple Silicon) or
+``mx.fast.cuda_kernel`` (NVIDIA, behind ``prelude.cuh``), with an exact-order oracle for each
+that runs wherever there is no GPU. Every function here is a plain function on ``mx.array``s.
+
+=====================================  ====================================================
+function                               reference
+=====================================  ====================================================
+``rms_norm_mul(x, w, eps, add)``       llama.cpp ``kernel_rms_norm_mul_f32_4`` (F = 1/2/3)
+``rms_norm_batch(x, w, eps)``          seeds Ch 12 §12.4.1 ``rms_norm_batch``
+``rms_norm_f16(x, w, eps)``            seeds Ch 12 §12.7 split no-fast-math norm (F16)
+``tail_dual_eps(h, src, w1, w2, ..)``  seeds Ch 12 §12.4.4 exact dual-epsilon tail
+``tail_32sg(h, src, w1, w2, ..)``      seeds Ch 12 §12.4.3 legacy 32-SIMD-group tail
+``mul_mv_q4_K(y, w)``                  llama.cpp ``kernel_mul_mv_q4_K_f32``
+``mul_mv_q6_K(y, w)``                  llama.cpp ``kernel_mul_mv_q6_K_f32``
+``silu_mul(g, u)`` / ``gelu_mul``      seeds Ch 18 ``muser_silu_mul_inplace`` / ggml geglu
+``ffn_q4k_gate_up_4r2s(x, wg, wu)``    seeds Ch 18 §18.5 ``ffn_q4k_gate_up_silu_4r2s``
+=====================================  ====================================================
+"""
+
+from . import ffn, mul_mv, norm_tail, rms_norm
+from .backend import backend
+from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
+from .mul_mv import mul_mv_q4_K, mul_mv_q6_K
+from .norm_tail import tail_32sg, tail_dual_eps
+from .rms_norm import GEOMETRIES, norm_threads, rms_norm_batch, rms_norm_f16, rms_norm_mul
+
+ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS
+
+__all__ = [
+    "backend", "ffn_q4k_gate_up_4r2s", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
+    "tail_32sg", "tail_dual_eps", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
+    "rms_norm_mul", "ALL_KERNELS",
+]

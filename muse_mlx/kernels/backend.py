@@ -1,0 +1,144 @@
+"""One kernel source, three places to run it: Metal, CUDA, or (on CPU) its exact-order oracle.
+
+Kernel bodies live in ``*.metal`` files beside this module, one file per family, split into
+sections by marker lines::
+
+    // ==== header            helper functions shared by the family's kernels
+    // ==== kernel: <name>    the body of one kernel (MLX generates the signature)
+
+On Apple Silicon a body goes to ``mx.fast.metal_kernel``; on NVIDIA the same text goes to
+``mx.fast.cuda_kernel`` behind ``prelude.cuh``, which maps the Metal vocabulary the bodies
+use, after :func:`to_cuda` drops the address-space words. Without a GPU (or with
+``MUSE_MLX_KERNELS=oracle``) callers get the oracle instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+import mlx.core as mx
+
+HERE = Path(__file__).parent
+METAL_PRELUDE = "#define MUSE_FN inline\n"
+_MARK = re.compile(r"^// ==== (header|kernel: (\w+))\s*$", re.M)
+# Metal address spaces -> CUDA: global and private memory need no word, threadgroup memory is
+# __shared__, and file-scope `constant` values become constexpr (see prelude.cuh).
+_ADDRESS_SPACE = re.compile(r"\b(device|thread|threadgroup|constant)\b(?=\s)")
+_CUDA_SPELLING = {"device": "", "thread": "", "threadgroup": "__shared__", "constant": "constexpr"}
+
+
+def to_cuda(metal_text: str) -> str:
+    """The one textual change CUDA needs: Metal's address-space qualifiers."""
+    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], metal_text)
+
+
+@functools.lru_cache(maxsize=None)
+def sections(family: str) -> dict[str, str]:
+    """``{"header": ..., "<kernel>": body}`` of ``<family>.metal``."""
+    text = (HERE / f"{family}.metal").read_text()
+    marks = list(_MARK.finditer(text))
+    out = {}
+    for m, nxt in zip(marks, marks[1:] + [None]):
+        out[m.group(2) or "header"] = text[m.end() : nxt.start() if nxt else len(text)].strip("\n") + "\n"
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_prelude() -> str:
+    return (HERE / "prelude.cuh").read_text()
+
+
+def backend() -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"`` (the oracles); ``MUSE_MLX_KERNELS=oracle`` forces the oracles."""
+    if os.environ.get("MUSE_MLX_KERNELS", "").lower() == "oracle":
+        return "cpu"
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+_CUDA_TYPES = {
+    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
+    mx.int8: "int8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
+}
+
+
+class Kernel:
+    """A named kernel body, built once per backend on first use.
+
+    ``which="record"`` runs nothing: the call (input and output dtypes, shapes, grid,
+    threadgroup, template) is appended to :attr:`recorded` and zeros are returned, so
+    tests can rebuild the exact source MLX would compile on a machine without that GPU.
+    """
+
+    recorded: list[dict] = []
+
+    def __init__(self, family: str | None, name: str, inputs: list[str], outputs: list[str], body: str | None = None):
+        self.family, self.name = family, name
+        self.inputs, self.outputs = inputs, outputs
+        self._body = body  # a body given inline (the GPU check's probes) instead of a .metal section
+        self._built = {}
+
+    @property
+    def body(self) -> str:
+        return self._body if self._body is not None else sections(self.family)[self.name]
+
+    @property
+    def header(self) -> str:
+        return "" if self.family is None else sections(self.family).get("header", "")
+
+    def build(self, which: str):
+        if which not in self._built:
+            if which == "metal":
+                self._built[which] = mx.fast.metal_kernel(
+                    name=self.name, input_names=self.inputs, output_names=self.outputs,
+                    source=self.body, header=METAL_PRELUDE + self.header,
+                )
+            elif which == "cuda":
+                self._built[which] = mx.fast.cuda_kernel(
+                    name=self.name, input_names=self.inputs, output_names=self.outputs,
+                    source=to_cuda(self.body), header=cuda_prelude() + to_cuda(self.header),
+                )
+            else:
+                raise ValueError(f"no GPU kernel for backend {which!r}")
+        return self._built[which]
+
+    def metal_source_preview(self):
+        """The Metal builder, usable on any machine inside ``mx.export_function`` (to print the source)."""
+        return mx.fast.metal_kernel(
+            name=self.name, input_names=self.inputs, output_names=self.outputs,
+            source=self.body, header=METAL_PRELUDE + self.header,
+        )
+
+    def cuda_source(self, input_dtypes, output_dtypes, template) -> str:
+        """The translation unit ``mx.fast.cuda_kernel`` compiles (mirrors MLX 0.32's build_kernel),
+        minus MLX's own default header, which the caller supplies."""
+        params = [f"    const {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.inputs, input_dtypes)]
+        params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes)]
+        consts = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {int(v)};\n" for k, v in template or [])
+        return (
+            cuda_prelude() + to_cuda(self.header) + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{self.name}(\n" + ",\n".join(params) + ") {\n"
+            + consts + to_cuda(self.body) + "\n}\n\n} // namespace mlx::core::cu\n"
+        )
+
+    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template, which=None, **kw):
+        which = which or backend()
+        if which == "record":
+            Kernel.recorded.append(dict(
+                kernel=self, inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                grid=grid, threadgroup=threadgroup, template=template,
+            ))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        k = self.build(which)
+        return k(
+            inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+            grid=grid, threadgroup=threadgroup, template=template, **kw,
+        )

@@ -1,0 +1,100 @@
+"""Exact float32 building blocks for the oracles, in MLX ops on the CPU stream.
+
+Each function performs one float32 operation of a kernel with the kernel's rounding:
+``fma`` is a single rounding of ``a*b + c`` (emulated exactly through float64, see below),
+``simd_sum`` is the CUDA prelude's xor butterfly, ``dot4`` the prelude's FMA chain. Plain
+float32 ``+ - * /`` and ``sqrt`` are IEEE in MLX's CPU ops, so they need no helper.
+
+Every mul that feeds an add in an oracle goes through :func:`fma`: the kernels spell those
+as ``fma()`` or let the CUDA compiler contract them, and a compiled oracle (``mx.compile``)
+could contract a plain ``a*b + c`` too -- with ``fma`` there is nothing left to contract.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+CPU = mx.cpu
+LANES = 32
+
+
+def fma(a, b, c) -> mx.array:
+    """Correctly rounded float32 ``a*b + c``.
+
+    The float64 product of two float32 values is exact; the float64 sum is rounded once, and
+    its error is recovered exactly (TwoSum). Nudging an inexact sum to the neighbour whose
+    last bit is odd ("round to odd") makes the final float64 -> float32 rounding correct,
+    so there are no double-rounding ties.
+    """
+    with mx.stream(CPU):
+        a64, b64, c64 = (mx.array(t).astype(mx.float64) for t in (a, b, c))
+        p = a64 * b64
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+        bits = mx.view(s, mx.int64)
+        nudge = (err != 0) & ((bits & 1) == 0)
+        away_from_zero = (err > 0) == (s > 0)
+        bits = mx.where(nudge, bits + mx.where(away_from_zero, 1, -1), bits)
+        return mx.view(bits, mx.float64).astype(mx.float32)
+
+
+def dot4(a: mx.array, b: mx.array) -> mx.array:
+    """The prelude's ``dot(float4, float4)`` over the last axis (size 4): a left-to-right FMA chain."""
+    with mx.stream(CPU):
+        acc = a[..., 0] * b[..., 0]
+        for k in (1, 2, 3):
+            acc = fma(a[..., k], b[..., k], acc)
+        return acc
+
+
+def simd_sum(v: mx.array) -> mx.array:
+    """The prelude's ``simd_sum`` of the last axis (32 lanes), returned as one value per group."""
+    with mx.stream(CPU):
+        lanes = mx.arange(LANES, dtype=mx.uint32)
+        for off in (16, 8, 4, 2, 1):
+            v = v + v[..., lanes ^ off]
+        return v[..., 0]
+
+
+def running_sum(parts: mx.array, axis: int, start=None) -> mx.array:
+    """``acc = start (0.0); for p in parts: acc += p`` along ``axis``, one float32 add at a time."""
+    with mx.stream(CPU):
+        parts = mx.moveaxis(parts, axis, 0)
+        acc = mx.zeros(parts.shape[1:], dtype=mx.float32) if start is None else start
+        for i in range(parts.shape[0]):
+            acc = acc + parts[i]
+        return acc
+
+
+def pad_axis(x: mx.array, axis: int, multiple: int) -> mx.array:
+    """Zero-pad ``axis`` up to a multiple (threads past the end contribute +0.0)."""
+    n = x.shape[axis]
+    extra = -n % multiple
+    if extra == 0:
+        return x
+    with mx.stream(CPU):
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        return mx.pad(x, widths)
+
+
+def f16(lo_hi: mx.array) -> mx.array:
+    """Two uint8 lanes (last axis) -> the little-endian float16 they spell, as float32."""
+    with mx.stream(CPU):
+        return mx.view(lo_hi, mx.float16).astype(mx.float32)[..., 0]
+
+
+def correctly_rounded(fn64):
+    """A float32 transcendental from its float64 form (what the kernel's function approximates)."""
+
+    def f(x):
+        with mx.stream(CPU):
+            return fn64(x.astype(mx.float64)).astype(mx.float32)
+
+    return f
+
+
+exp = correctly_rounded(mx.exp)
+tanh = correctly_rounded(mx.tanh)
+rsqrt = correctly_rounded(lambda x: 1.0 / mx.sqrt(x))

@@ -1,0 +1,110 @@
+// The sandwich tail: after a sub-block, fold its post-norm into the residual and produce the
+// next sub-block's pre-normed input, in one dispatch:
+//     hidden += rms_norm(src, eps1) * weight1
+//     output  = rms_norm(hidden, eps2) * weight2
+// MLX kernels cannot write their inputs, so `hidden` comes in and `hidden_out` goes out.
+
+// ==== kernel: fused_norm_residual_rms_norm_32sg
+// Seeds Ch 12 §12.4.3, carried verbatim from the seed
+// (crates/muser-engine/src/shaders/ferrite/rmsnorm_batch_tail.metal:142): the legacy
+// one-token tail. 1,024 threads = 32 SIMD groups, 33 floats of threadgroup memory, rsqrt,
+// thread 0 adds the 32 partials serially. NOT exact against llama.cpp (the reason it is
+// opt-in): its reduction tree and rsqrt differ from ggml's.
+// inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 [1]
+// outputs: hidden_out, output [rows, N]
+    const uint n = N;
+    const uint row = threadgroup_position_in_grid.x;
+    const uint tid = thread_index_in_threadgroup;
+    const uint sgitg = simdgroup_index_in_threadgroup;
+    const uint lid = thread_index_in_simdgroup;
+    threadgroup float shared[33];
+    const uint n4 = n >> 2u;
+    device const float4* hidden_in4 = (device const float4*)(hidden + row * n);
+    device float4* hidden4 = (device float4*)(hidden_out + row * n);
+    device const float4* src4 = (device const float4*)(src + row * n);
+    device float4* output4 = (device float4*)(output + row * n);
+    device const float4* weight14 = (device const float4*)weight1;
+    device const float4* weight24 = (device const float4*)weight2;
+
+    float sum_src = 0.0f;
+    for (uint i = tid; i < n4; i += 1024u)
+        sum_src += dot(src4[i], src4[i]);
+    sum_src = simd_sum(sum_src);
+    if (lid == 0u) shared[sgitg] = sum_src;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0u) {
+        float total = 0.0f;
+        for (uint group = 0u; group < 32u; ++group) total += shared[group];
+        shared[32] = rsqrt(total / float(n) + eps1[0]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const float inv_src = shared[32];
+    float sum_hidden = 0.0f;
+    for (uint i = tid; i < n4; i += 1024u) {
+        const float4 value = hidden_in4[i] + src4[i] * inv_src * weight14[i];
+        hidden4[i] = value;
+        sum_hidden += dot(value, value);
+    }
+    sum_hidden = simd_sum(sum_hidden);
+    if (lid == 0u) shared[sgitg] = sum_hidden;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid == 0u) {
+        float total = 0.0f;
+        for (uint group = 0u; group < 32u; ++group) total += shared[group];
+        shared[32] = rsqrt(total / float(n) + eps2[0]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const float inv_hidden = shared[32];
+    for (uint i = tid; i < n4; i += 1024u)
+        output4[i] = hidden4[i] * inv_hidden * weight24[i];
+
+// ==== kernel: fused_norm_residual_rms_norm_batch_dual_eps
+// Seeds Ch 12 §12.4.4: the serving tail, exact. The seeds give its contract, not its text;
+// this body is written to meet it: the same bits as llama.cpp's two kernels run separately,
+// kernel_rms_norm_mul_add (hidden = (src*scale1)*w1 + hidden, eps1) and then
+// kernel_rms_norm_mul (output = (hidden*scale2)*w2, eps2) -- ggml's reduction with ggml's
+// thread count NTH, 1.0f/sqrt, llama's expression shapes, and a device-memory barrier
+// between the two norms where the split route publishes `hidden`.
+// inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 [1]
+// outputs: hidden_out, output [rows, N]
+    const uint row = threadgroup_position_in_grid.x;
+    const uint tid = thread_index_in_threadgroup;
+    const uint sgitg = simdgroup_index_in_threadgroup;
+    const uint tiisg = thread_index_in_simdgroup;
+    const uint n4 = N / 4;
+    threadgroup float shmem[32];
+    device const float4* h4 = (device const float4*)(hidden + row * N);
+    device const float4* s4 = (device const float4*)(src + row * N);
+    device float4* hout4 = (device float4*)(hidden_out + row * N);
+    device float4* out4 = (device float4*)(output + row * N);
+    device const float4* w14 = (device const float4*)weight1;
+    device const float4* w24 = (device const float4*)weight2;
+
+    // kernel_rms_norm_mul_add over src
+    if (sgitg == 0) shmem[tiisg] = 0.0f;
+    float sumf = 0.0f;
+    for (uint i = tid; i < n4; i += NTH) sumf += dot(s4[i], s4[i]);
+    sumf = simd_sum(sumf);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tiisg == 0) shmem[sgitg] = sumf;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    sumf = simd_sum(shmem[tiisg]);
+    const float scale1 = 1.0f / sqrt(sumf / float(N) + eps1[0]);
+    for (uint i = tid; i < n4; i += NTH) hout4[i] = fma(s4[i] * scale1, w14[i], h4[i]);
+
+    // the split route's boundary: hidden is published to device memory, then re-read
+    threadgroup_barrier(mem_flags::mem_device);
+
+    // kernel_rms_norm_mul over the new hidden
+    if (sgitg == 0) shmem[tiisg] = 0.0f;
+    sumf = 0.0f;
+    for (uint i = tid; i < n4; i += NTH) sumf += dot(hout4[i], hout4[i]);
+    sumf = simd_sum(sumf);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tiisg == 0) shmem[sgitg] = sumf;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    sumf = simd_sum(shmem[tiisg]);
+    const float scale2 = 1.0f / sqrt(sumf / float(N) + eps2[0]);
+    for (uint i = tid; i < n4; i += NTH) out4[i] = (hout4[i] * scale2) * w24[i];

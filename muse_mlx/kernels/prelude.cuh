@@ -1,0 +1,78 @@
+// The Metal vocabulary the kernel bodies use, mapped onto CUDA so that the same source
+// compiles through mx.fast.cuda_kernel. Keep it small enough to check by eye: every line
+// says what a Metal name means on NVIDIA. The address-space words (device, thread,
+// threadgroup, constant) cannot be macros here -- CUDA's own __device__ expands to
+// __attribute__((device)) -- so backend.py rewrites those four words in the text instead.
+typedef unsigned int uint;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+#define ulong unsigned long long   // Metal's ulong is 64-bit (a macro: some hosts typedef ulong)
+#define half __half
+#define MUSE_FN __device__ __forceinline__
+
+// Thread positions. MLX launches ceil(grid / threadgroup) blocks of `threadgroup` threads.
+#define thread_index_in_threadgroup (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z))
+#define thread_index_in_simdgroup (thread_index_in_threadgroup & 31u)
+#define simdgroup_index_in_threadgroup (thread_index_in_threadgroup >> 5)
+#define thread_position_in_threadgroup make_uint3(threadIdx.x, threadIdx.y, threadIdx.z)
+#define threadgroup_position_in_grid make_uint3(blockIdx.x, blockIdx.y, blockIdx.z)
+#define thread_position_in_grid make_uint3(blockIdx.x * blockDim.x + threadIdx.x, \
+    blockIdx.y * blockDim.y + threadIdx.y, blockIdx.z * blockDim.z + threadIdx.z)
+
+namespace mem_flags {
+constexpr int mem_device = 1, mem_threadgroup = 2;
+}
+// A device-memory barrier also publishes global writes to the block (ggml's split-kernel boundary).
+__device__ __forceinline__ void threadgroup_barrier(int flags) {
+  if (flags & mem_flags::mem_device) __threadfence();
+  __syncthreads();
+}
+
+// simd_sum: an xor butterfly over the 32 lanes (offsets 16, 8, 4, 2, 1); every lane gets the
+// total. Apple's lane order is undocumented; the oracles model this one.
+__device__ __forceinline__ float simd_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v;
+}
+
+// float4 with Metal's component indexing and element-wise arithmetic.
+struct __align__(16) muse_float4 {
+  float x, y, z, w;
+  __device__ __forceinline__ float& operator[](int i) { return (&x)[i]; }
+  __device__ __forceinline__ float operator[](int i) const { return (&x)[i]; }
+};
+#define float4 muse_float4
+#define F4_OP(op)                                                                          \
+  __device__ __forceinline__ float4 operator op(float4 a, float4 b) {                      \
+    return {a.x op b.x, a.y op b.y, a.z op b.z, a.w op b.w};                               \
+  }                                                                                        \
+  __device__ __forceinline__ float4 operator op(float4 a, float s) {                       \
+    return {a.x op s, a.y op s, a.z op s, a.w op s};                                       \
+  }                                                                                        \
+  __device__ __forceinline__ float4 operator op(float s, float4 a) {                       \
+    return {s op a.x, s op a.y, s op a.z, s op a.w};                                       \
+  }
+F4_OP(+)
+F4_OP(-)
+F4_OP(*)
+F4_OP(/)
+#undef F4_OP
+__device__ __forceinline__ float4 fma(float4 a, float4 b, float4 c) {
+  return {fmaf(a.x, b.x, c.x), fmaf(a.y, b.y, c.y), fmaf(a.z, b.z, c.z), fmaf(a.w, b.w, c.w)};
+}
+__device__ __forceinline__ float4 fma(float4 a, float s, float4 c) {
+  return {fmaf(a.x, s, c.x), fmaf(a.y, s, c.y), fmaf(a.z, s, c.z), fmaf(a.w, s, c.w)};
+}
+// dot as a left-to-right FMA chain: x*x', then + y*y', + z*z', + w*w' (each fused).
+__device__ __forceinline__ float dot(float4 a, float4 b) {
+  return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
+}
+
+// rsqrt(float), sqrt, exp, fma: CUDA's own float overloads (rsqrt is approximate, like Metal's).
+namespace precise {
+__device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+}

@@ -1,0 +1,233 @@
+"""Every pinned kernel against its oracle, bit for bit, on this machine's GPU (CUDA or Metal).
+
+    python scripts/gpu_check.py [--quick] [--json report.json]
+
+For each kernel and size (the Muse Glimmer sizes 6,656 / 19,968 / head_dim 128, and awkward
+ones: one row, many rows, rows not a multiple of 4, row lengths whose float4 count is not a
+multiple of the thread count), the kernel runs on the GPU and its oracle on the CPU, from
+the same inputs, and the outputs are compared as bit patterns.
+
+Kernels that call a transcendental (rsqrt, exp, tanh) are compared twice: against the
+oracle with the correctly rounded function (the distance is that function's error on this
+GPU, in ULP) and against the oracle given the GPU's own function of the same arguments
+(computed by a one-line probe kernel), which must match bit for bit. The script exits 1 if
+any bit-for-bit comparison fails.
+
+On a Mac this is the one command that tells whether Apple's simd_sum, dot and compiler do
+what the oracles (which model the CUDA prelude) assume; see docs/gpu-exactness.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from muse_mlx import kernels as K  # noqa: E402
+from muse_mlx.kernels import ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
+from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
+from muse_mlx.quantizers import quantize  # noqa: E402
+
+RESULTS: list[dict] = []
+
+# One-line probes: the GPU's own transcendental, compiled behind the same prelude.
+PROBES = {
+    "rsqrt": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = rsqrt(x[i]);",
+    "exp": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = exp(x[i]);",
+    "tanh": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = precise::tanh(x[i]);",
+}
+
+
+def probe(fn: str):
+    kernel = Kernel(None, f"probe_{fn}", ["x", "count"], ["out"], body=PROBES[fn])
+
+    def device_fn(v: mx.array) -> mx.array:
+        mx.eval(v)
+        flat = v.reshape(-1)
+        n = flat.size
+        (out,) = kernel([flat, mx.array([n], dtype=mx.uint32)], [(n,)], [mx.float32], grid=(n, 1, 1),
+                        threadgroup=(min(256, n), 1, 1), template=None, which=backend(), stream=mx.gpu)
+        return out.reshape(v.shape)
+
+    return device_fn
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """ULPs between float32 arrays (0 for equal bits; +0 and -0 are one apart)."""
+    def key(x):
+        i = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
+        return np.where(i < 0, -(i & 0x7FFFFFFF) - 1, i)
+    return np.abs(key(a) - key(b))
+
+
+def compare(kernel: str, case: str, got, want, exact: bool = True, note: str = "") -> None:
+    mx.eval(got, want)
+    g = np.array(got.astype(mx.float32) if got.dtype != mx.float16 else got).reshape(-1)
+    w = np.array(want.astype(mx.float32) if want.dtype != mx.float16 else want).reshape(-1)
+    if g.dtype == np.float16:
+        g, w = g.astype(np.float32), w.astype(np.float32)
+    d = ulp_distance(g, w)
+    row = dict(kernel=kernel, case=case, n=int(g.size), mismatches=int((d > 0).sum()),
+               max_ulp=int(d.max()) if d.size else 0, exact=exact, note=note)
+    row["ok"] = (row["mismatches"] == 0) if exact else True
+    RESULTS.append(row)
+    flag = "PASS" if row["ok"] and exact else ("info" if not exact else "FAIL")
+    print(f"{flag:4}  {kernel:46} {case:34} n={row['n']:>9}  differing={row['mismatches']:>8}  "
+          f"max_ulp={row['max_ulp']:>6}  {note}", flush=True)
+
+
+def gpu(fn, *args, **kw):
+    out = fn(*args, which=backend(), **kw)
+    mx.eval(out)
+    return out
+
+
+def randn(rng, *shape, scale=1.0):
+    return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
+
+
+def check_norms(rng, quick):
+    sizes = [(1, 6656), (8, 6656), (64, 128), (3, 1152), (2, 4100), (5, 256), (1, 19968)]
+    for rows, n in sizes[:4] if quick else sizes:
+        x, w, a = randn(rng, rows, n), randn(rng, n, scale=0.5), randn(rng, rows, n)
+        for geometry in ("seeds", "llama"):
+            nth = K.norm_threads(n, geometry)
+            case = f"{rows}x{n} {geometry} ({nth} thr)"
+            compare("rms_norm_mul F=1", case, gpu(K.rms_norm_mul, x, None, 1e-5, geometry=geometry),
+                    rms_norm.rms_norm_mul_oracle(x, None, 1e-5, None, nth))
+            compare("rms_norm_mul F=2", case, gpu(K.rms_norm_mul, x, w, 1e-5, geometry=geometry),
+                    rms_norm.rms_norm_mul_oracle(x, w, 1e-5, None, nth))
+            compare("rms_norm_mul F=3", case, gpu(K.rms_norm_mul, x, w, 1e-8, add=a, geometry=geometry),
+                    rms_norm.rms_norm_mul_oracle(x, w, 1e-8, a, nth))
+        got = gpu(K.rms_norm_batch, x, w, 1e-5)
+        compare("rms_norm_batch", f"{rows}x{n} vs 1/sqrt", got, rms_norm.rms_norm_batch_oracle(x, w, 1e-5),
+                exact=False, note="rsqrt vs correctly rounded 1/sqrt")
+        compare("rms_norm_batch", f"{rows}x{n} vs device rsqrt", got,
+                rms_norm.rms_norm_batch_oracle(x, w, 1e-5, rsqrt=probe("rsqrt")))
+        nth = K.norm_threads(n, "llama")
+        compare("rms_norm_f16 + mul_f16", f"{rows}x{n}", gpu(K.rms_norm_f16, x, w, 1e-5),
+                rms_norm.rms_norm_f16_oracle(x, w.astype(mx.float16), 1e-5, nth))
+
+
+def check_tails(rng, quick):
+    sizes = [(1, 6656), (4, 6656), (3, 1152), (2, 256), (1, 4100)]
+    for rows, n in sizes[:3] if quick else sizes:
+        h, s = randn(rng, rows, n), randn(rng, rows, n, scale=3.0)
+        w1, w2 = randn(rng, n, scale=0.5), randn(rng, n, scale=0.5)
+        for geometry in ("seeds", "llama"):
+            nth = K.norm_threads(n, geometry)
+            case = f"{rows}x{n} {geometry} ({nth} thr)"
+            got = gpu(K.tail_dual_eps, h, s, w1, w2, 1e-8, 1e-5, geometry=geometry)
+            want = norm_tail.tail_dual_eps_oracle(h, s, w1, w2, 1e-8, 1e-5, nth)
+            compare("tail_dual_eps hidden", case, got[0], want[0])
+            compare("tail_dual_eps output", case, got[1], want[1])
+            # the contract: the fused tail equals ggml's two kernels run separately, on the GPU
+            h_sep = gpu(K.rms_norm_mul, s, w1, 1e-8, add=h, geometry=geometry)
+            o_sep = gpu(K.rms_norm_mul, h_sep, w2, 1e-5, geometry=geometry)
+            compare("tail_dual_eps == norm_mul_add; norm_mul", case, mx.concatenate([got[0], got[1]]),
+                    mx.concatenate([h_sep, o_sep]))
+        got = gpu(K.tail_32sg, h, s, w1, w2, 1e-8, 1e-5)
+        compare("tail_32sg output", f"{rows}x{n} vs device rsqrt", got[1],
+                norm_tail.tail_32sg_oracle(h, s, w1, w2, 1e-8, 1e-5, rsqrt=probe("rsqrt"))[1])
+        exact = gpu(K.tail_dual_eps, h, s, w1, w2, 1e-8, 1e-5, geometry="seeds")
+        compare("tail_32sg vs exact tail", f"{rows}x{n}", got[1], exact[1], exact=False,
+                note="expected to differ (seeds §12.7)")
+
+
+def check_matvecs(rng, quick):
+    shapes = [(19968, 6656, "ffn_gate/up"), (6656, 19968, "ffn_down"), (4096, 6656, "attn_q"),
+              (256, 6656, "attn_k/v"), (37, 768, "37 rows (not /4)"), (5, 256, "one block")]
+    if quick:
+        shapes = shapes[4:]
+    for rows, k, label in shapes:
+        x = randn(rng, 3, k)
+        for qtype, fn, oracle in ((T.Q4_K, K.mul_mv_q4_K, mul_mv.mul_mv_q4_K_oracle),
+                                  (T.Q6_K, K.mul_mv_q6_K, mul_mv.mul_mv_q6_K_oracle)):
+            w = mx.array(quantize((rng.standard_normal((rows, k)) / np.sqrt(k)).astype(np.float32), qtype))
+            for t in (1, 3):
+                got = gpu(fn, x[:t], w)
+                # the oracle of a row needs only that row: check a spread of rows on big matrices
+                sel = np.unique(np.r_[0:min(rows, 96), rows - min(rows, 64):rows, np.linspace(0, rows - 1, 64).astype(int)])
+                want = oracle(x[:t], w[mx.array(sel)])
+                compare(f"mul_mv_{qtype.name}_f32", f"{rows}x{k} {label} T={t}",
+                        got[:, mx.array(sel)], want, note=f"{len(sel)} rows checked")
+
+
+def check_ffn(rng, quick):
+    for n in (19968, 37) if not quick else (37,):
+        g, u = randn(rng, n, scale=4.0), randn(rng, n)
+        got = gpu(K.silu_mul, g, u)
+        compare("silu_mul_inplace", f"{n} vs correctly rounded exp", got, ffn.silu_oracle(g, u),
+                exact=False, note="device exp error")
+        compare("silu_mul_inplace", f"{n} vs device exp", got, ffn.silu_oracle(g, u, exp=probe("exp")))
+        got = gpu(K.gelu_mul, g, u)
+        compare("gelu_mul_inplace", f"{n} vs correctly rounded tanh", got, ffn.gelu_oracle(g, u),
+                exact=False, note="device tanh error")
+        compare("gelu_mul_inplace", f"{n} vs device tanh", got, ffn.gelu_oracle(g, u, tanh=probe("tanh")))
+    shapes = [(19968, 6656), (37, 768)] if not quick else [(37, 768)]
+    for rows, k in shapes:
+        x = randn(rng, 2, k)
+        wg = mx.array(quantize((rng.standard_normal((rows, k)) / np.sqrt(k)).astype(np.float32), T.Q4_K))
+        wu = mx.array(quantize((rng.standard_normal((rows, k)) / np.sqrt(k)).astype(np.float32), T.Q4_K))
+        sel = mx.array(np.unique(np.r_[0:min(rows, 64), np.linspace(0, rows - 1, 64).astype(int)]))
+        for act in ("silu", "gelu_tanh"):
+            got = gpu(K.ffn_q4k_gate_up_4r2s, x, wg, wu, act)[:, sel]
+            want = ffn.ffn_4r2s_oracle(x, wg[sel], wu[sel], act, exp=probe("exp"), tanh=probe("tanh"))
+            compare("ffn_q4k_gate_up_4r2s", f"{rows}x{k} {act} T=2", got, want, note="device exp/tanh")
+            unfused = gpu(K.silu_mul if act == "silu" else K.gelu_mul,
+                          gpu(K.mul_mv_q4_K, x, wg), gpu(K.mul_mv_q4_K, x, wu))[:, sel]
+            compare("ffn_q4k_gate_up_4r2s vs unfused", f"{rows}x{k} {act}", got, unfused, exact=False,
+                    note="expected to differ (seeds §18.6)")
+
+
+def transcendental_ulps(rng):
+    """The GPU's rsqrt/exp/tanh against correctly rounded values, on 1M arguments each."""
+    args = {
+        "rsqrt": mx.array(np.exp(rng.uniform(-20, 20, 1 << 20)).astype(np.float32)),
+        "exp": mx.array(rng.uniform(-20, 20, 1 << 20).astype(np.float32)),
+        "tanh": mx.array(rng.uniform(-10, 10, 1 << 20).astype(np.float32)),
+    }
+    exact = {"rsqrt": fp.rsqrt, "exp": fp.exp, "tanh": fp.tanh}
+    for fn, x in args.items():
+        compare(f"device {fn}", "1M arguments vs correctly rounded", probe(fn)(x), exact[fn](x), exact=False,
+                note="the ULP bound of this GPU's function")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes only (seconds, not minutes)")
+    ap.add_argument("--json", help="write the results as JSON to this path")
+    args = ap.parse_args()
+    which = backend()
+    if which not in ("metal", "cuda"):
+        print("no Metal or CUDA device: nothing to check (the CPU runs the oracles themselves)")
+        return 2
+    info = dict(date=time.strftime("%Y-%m-%d"), backend=which, mlx=mx.__version__,
+                device=str(mx.device_info() if hasattr(mx, "device_info") else mx.default_device()),
+                python=platform.python_version())
+    print(json.dumps(info))
+    rng = np.random.default_rng(20261129)
+    t0 = time.time()
+    for step in (check_norms, check_tails, check_matvecs, check_ffn):
+        step(rng, args.quick)
+    transcendental_ulps(rng)
+    failed = [r for r in RESULTS if not r["ok"]]
+    print(f"\n{len(RESULTS)} comparisons, {sum(r['exact'] for r in RESULTS)} bit-for-bit, "
+          f"{len(failed)} failed, {time.time() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(info=info, results=RESULTS), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
