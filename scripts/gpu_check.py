@@ -39,6 +39,7 @@ from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
 from muse_mlx.quantizers import quantize  # noqa: E402
 
 RESULTS: list[dict] = []
+WHICH = backend()  # read once: inside an oracle the default stream is the CPU's
 
 # One-line probes: the GPU's own transcendental, compiled behind the same prelude.
 PROBES = {
@@ -56,7 +57,7 @@ def probe(fn: str):
         flat = v.reshape(-1)
         n = flat.size
         (out,) = kernel([flat, mx.array([n], dtype=mx.uint32)], [(n,)], [mx.float32], grid=(n, 1, 1),
-                        threadgroup=(min(256, n), 1, 1), template=None, which=backend(), stream=mx.gpu)
+                        threadgroup=(min(256, n), 1, 1), template=None, which=WHICH, stream=mx.gpu)
         return out.reshape(v.shape)
 
     return device_fn
@@ -87,7 +88,7 @@ def compare(kernel: str, case: str, got, want, exact: bool = True, note: str = "
 
 
 def gpu(fn, *args, **kw):
-    out = fn(*args, which=backend(), **kw)
+    out = fn(*args, which=WHICH, **kw)
     mx.eval(out)
     return out
 
@@ -208,7 +209,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes only (seconds, not minutes)")
     ap.add_argument("--json", help="write the results as JSON to this path")
     args = ap.parse_args()
-    which = backend()
+    which = WHICH
     if which not in ("metal", "cuda"):
         print("no Metal or CUDA device: nothing to check (the CPU runs the oracles themselves)")
         return 2

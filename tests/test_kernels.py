@@ -1,0 +1,313 @@
+"""The pinned kernels on a CPU-only machine: oracles against float64, fusion claims, sources.
+
+What runs here: every oracle (the pinned route on CPU) against an independent float64
+computation; the bit-level claims of the seeds about fused vs unfused kernels; the exact
+float32 building blocks; the generated Metal source of every kernel (MLX prints it on a
+CPU-only build when the kernel is traced by ``mx.export_function``); the CUDA translation
+unit of every kernel through nvcc when it is installed. Kernel == oracle on a GPU is
+``scripts/gpu_check.py`` (recorded in docs/gpu-exactness.md) and the ``gpu`` tests below.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from fractions import Fraction
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from muse_mlx import kernels as K
+from muse_mlx.kernels import ffn, fp, mul_mv, norm_tail, rms_norm
+from muse_mlx.kernels.backend import Kernel, backend
+from muse_mlx.quantizers import quantize
+
+RNG = np.random.default_rng(7)
+
+
+def arr(*shape, scale=1.0):
+    return mx.array((scale * RNG.standard_normal(shape)).astype(np.float32))
+
+
+def bits(x) -> np.ndarray:
+    return np.ascontiguousarray(np.array(x), dtype=np.float32).view(np.uint32)
+
+
+def f64(x) -> np.ndarray:
+    return np.array(x).astype(np.float64)
+
+
+def rms64(x, w=None, eps=1e-5):
+    x = f64(x)
+    y = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * f64(w)
+
+
+# -- exact float32 building blocks ---------------------------------------------------------
+
+
+def test_fma_is_correctly_rounded_including_ties():
+    a, b, c = (np.array(RNG.standard_normal(3000) * RNG.choice([1, 1e-4, 1e4], 3000), np.float32) for _ in range(3))
+    # and constructed ties: a*b + c exactly halfway between two floats, off by a tiny c2
+    a[:100], b[:100] = np.float32(1 + 2**-12), np.float32(1 + 2**-12)  # a*b = 1 + 2^-11 + 2^-24
+    c[:100] = np.float32(2**-40) * np.sign(RNG.standard_normal(100)).astype(np.float32)
+    got = np.array(fp.fma(mx.array(a), mx.array(b), mx.array(c)))
+    for i in range(len(a)):
+        exact = Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i]))
+        best = min((np.float32(got[i]), np.nextafter(got[i], np.float32(-np.inf)), np.nextafter(got[i], np.float32(np.inf))),
+                   key=lambda v: abs(Fraction(float(v)) - exact))
+        assert best == got[i], i
+
+
+def test_simd_sum_is_the_xor_butterfly():
+    v = RNG.standard_normal(32).astype(np.float32)
+    lanes = v.copy()
+    for off in (16, 8, 4, 2, 1):
+        lanes = (lanes + lanes[np.arange(32) ^ off]).astype(np.float32)
+    assert bits(fp.simd_sum(mx.array(v)[None]))[0] == lanes.view(np.uint32)[0]
+    assert len(set(lanes.view(np.uint32).tolist())) == 1  # every lane holds the same total
+
+
+def test_dot4_is_a_left_to_right_fma_chain():
+    a, b = RNG.standard_normal((2, 500, 4)).astype(np.float32)
+    want = np.array(fp.fma(a[:, 3], b[:, 3], fp.fma(a[:, 2], b[:, 2], fp.fma(a[:, 1], b[:, 1], mx.array(a[:, 0] * b[:, 0])))))
+    np.testing.assert_array_equal(bits(fp.dot4(mx.array(a), mx.array(b))), bits(want))
+
+
+def test_reference_transcendentals_are_float64_accurate():
+    x = np.linspace(-30, 30, 20001, dtype=np.float32)
+    np.testing.assert_array_equal(np.array(fp.exp(mx.array(x))), np.exp(x.astype(np.float64)).astype(np.float32))
+    np.testing.assert_array_equal(np.array(fp.tanh(mx.array(x))), np.tanh(x.astype(np.float64)).astype(np.float32))
+
+
+# -- geometry ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,seeds,llama", [(6656, 1024, 1024), (128, 32, 32), (1152, 512, 288), (256, 64, 64), (4100, 1024, 1024)])
+def test_norm_thread_rules(n, seeds, llama):
+    assert K.norm_threads(n, "seeds") == seeds and K.norm_threads(n, "llama") == llama
+
+
+# -- oracles against float64 ---------------------------------------------------------------
+
+# A float32 norm of n terms: relative error a few 2^-24 plus the sum's ~log2(n) roundings.
+NORM_RTOL = 2e-6
+
+
+@pytest.mark.parametrize("rows,n", [(1, 6656), (3, 1152), (8, 128), (2, 4100)])
+def test_rms_norm_oracles_match_float64(rows, n):
+    x, w, a = arr(rows, n, scale=3), arr(n), arr(rows, n)
+    for geometry in ("seeds", "llama"):
+        np.testing.assert_allclose(f64(K.rms_norm_mul(x, None, 1e-5, geometry=geometry)), rms64(x), rtol=NORM_RTOL, atol=1e-6)
+        np.testing.assert_allclose(f64(K.rms_norm_mul(x, w, 1e-5, geometry=geometry)), rms64(x, w), rtol=NORM_RTOL, atol=1e-6)
+        np.testing.assert_allclose(f64(K.rms_norm_mul(x, w, 1e-8, add=a, geometry=geometry)),
+                                   rms64(x, w, 1e-8) + f64(a), rtol=NORM_RTOL, atol=1e-6)
+    np.testing.assert_allclose(f64(K.rms_norm_batch(x, w)), rms64(x, w), rtol=NORM_RTOL, atol=1e-6)
+    # F16: three roundings to f16 -- the normed value, the weight, the product -- of 2^-11 each
+    np.testing.assert_allclose(f64(K.rms_norm_f16(x, w)), rms64(x, w), rtol=3 * 2**-11, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 6656), (2, 256), (3, 1152)])
+def test_tail_oracles_match_float64(rows, n):
+    h, s, w1, w2 = arr(rows, n), arr(rows, n, scale=5), arr(n), arr(n)
+    h_ref = f64(h) + rms64(s, w1, 1e-8)
+    out_ref = rms64(h_ref, w2, 1e-5)
+    for hid, out in (K.tail_dual_eps(h, s, w1, w2, 1e-8, 1e-5, "seeds"), K.tail_32sg(h, s, w1, w2, 1e-8, 1e-5)):
+        np.testing.assert_allclose(f64(hid), h_ref, rtol=NORM_RTOL, atol=1e-5)
+        np.testing.assert_allclose(f64(out), out_ref, rtol=NORM_RTOL, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype,fn", [(T.Q4_K, K.mul_mv_q4_K), (T.Q6_K, K.mul_mv_q6_K)], ids=["q4_K", "q6_K"])
+@pytest.mark.parametrize("rows,k,t", [(37, 768, 1), (8, 1536, 3), (5, 256, 2)])
+def test_matvec_oracles_match_float64(qtype, fn, rows, k, t):
+    w = quantize(RNG.standard_normal((rows, k)).astype(np.float32), qtype)
+    y = arr(t, k)
+    ref = f64(y) @ dequantize(w, qtype).reshape(rows, k).astype(np.float64).T
+    # |sum| <= ~ sqrt(k) * 3; float32 accumulation over k terms: k * 2^-24 * max|term| bound
+    np.testing.assert_allclose(f64(fn(y, mx.array(w))), ref, rtol=0, atol=k * 2**-24 * 8)
+
+
+def test_activation_oracles_match_float64():
+    g, u = arr(4096, scale=4), arr(4096)
+    G, U = f64(g), f64(u)
+    np.testing.assert_allclose(f64(K.silu_mul(g, u)), G / (1 + np.exp(-G)) * U, rtol=4e-7, atol=1e-7)
+    gelu = 0.5 * G * (1 + np.tanh(np.sqrt(2 / np.pi) * G * (1 + 0.044715 * G * G))) * U
+    np.testing.assert_allclose(f64(K.gelu_mul(g, u)), gelu, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_ffn_oracle_matches_float64():
+    rows, k = 37, 768
+    wg = quantize(RNG.standard_normal((rows, k)).astype(np.float32), T.Q4_K)
+    wu = quantize(RNG.standard_normal((rows, k)).astype(np.float32), T.Q4_K)
+    x = arr(2, k)
+    g = f64(x) @ dequantize(wg, T.Q4_K).reshape(rows, k).astype(np.float64).T
+    u = f64(x) @ dequantize(wu, T.Q4_K).reshape(rows, k).astype(np.float64).T
+    got = f64(K.ffn_q4k_gate_up_4r2s(x, mx.array(wg), mx.array(wu)))
+    np.testing.assert_allclose(got, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-3)
+
+
+# -- the seeds' claims about fusions -------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,geometry", [(6656, "seeds"), (1152, "llama"), (1152, "seeds"), (256, "llama")])
+def test_exact_tail_is_bit_equal_to_norm_add_norm(n, geometry):
+    """Ch 12 §12.4.4: the dual-eps tail gives the same bits as ggml's two kernels run separately."""
+    h, s, w1, w2 = arr(4, n), arr(4, n, scale=7), arr(n), arr(n)
+    hid, out = K.tail_dual_eps(h, s, w1, w2, 1e-8, 1e-5, geometry)
+    h_sep = K.rms_norm_mul(s, w1, 1e-8, add=h, geometry=geometry)
+    out_sep = K.rms_norm_mul(h_sep, w2, 1e-5, geometry=geometry)
+    np.testing.assert_array_equal(bits(hid), bits(h_sep))
+    np.testing.assert_array_equal(bits(out), bits(out_sep))
+
+
+def test_legacy_32sg_tail_is_not_bit_equal_to_the_exact_tail():
+    """Ch 12 §12.7: rsqrt and a serial 32-partial combine: the same math, other bits."""
+    n = 6656
+    h, s, w1, w2 = arr(8, n), arr(8, n, scale=7), arr(n), arr(n)
+    exact = K.tail_dual_eps(h, s, w1, w2, 1e-8, 1e-5, "seeds")[1]
+    legacy = K.tail_32sg(h, s, w1, w2, 1e-8, 1e-5)[1]
+    assert (bits(exact) != bits(legacy)).any()
+    # ... by a few ulp: of the output, and of `hidden` (|h| ~ 7) where outputs are small
+    np.testing.assert_allclose(f64(legacy), f64(exact), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n", [128, 1152, 1280, 4100, 6656, 19968])
+def test_both_thread_rules_give_the_same_bits(n):
+    """A finding: next_pow2 and roundup32 differ in thread count (1,152: 512 vs 288) but not in bits.
+
+    Under both rules every thread owns at most one float4 when n/4 <= 1,024 (and both are 1,024
+    above that), and the extra threads hold exact zeros, so the reduction tree is the same.
+    """
+    x, w = arr(4, n, scale=3), arr(n)
+    np.testing.assert_array_equal(bits(K.rms_norm_mul(x, w, geometry="seeds")), bits(K.rms_norm_mul(x, w, geometry="llama")))
+
+
+def test_thread_count_changes_bits_when_threads_take_several_elements():
+    """The control for the test above: 128 threads (rms_norm_batch's geometry) over 1,664 float4s."""
+    rng = np.random.default_rng(1)
+    x = mx.array((rng.standard_normal((64, 6656)) * rng.uniform(0.1, 10, (64, 6656))).astype(np.float32))
+    assert (bits(rms_norm.ggml_sum_of_squares(x, 1024)) != bits(rms_norm.ggml_sum_of_squares(x, 128))).sum() > 5
+    ggml = rms_norm.rms_norm_mul_oracle(x, mx.ones((6656,)), 1e-5, None, 1024)
+    narrow = rms_norm.rms_norm_mul_oracle(x, mx.ones((6656,)), 1e-5, None, 128)
+    assert (bits(ggml) != bits(narrow)).any()
+
+
+def test_fused_ffn_is_not_bit_equal_to_the_unfused_control():
+    """Ch 18 §18.6: the 4r2s kernel's sums run in another order than ggml's matvec."""
+    rows, k = 64, 1536
+    wg = mx.array(quantize(RNG.standard_normal((rows, k)).astype(np.float32), T.Q4_K))
+    wu = mx.array(quantize(RNG.standard_normal((rows, k)).astype(np.float32), T.Q4_K))
+    x = arr(1, k)
+    fused = K.ffn_q4k_gate_up_4r2s(x, wg, wu)
+    unfused = K.silu_mul(K.mul_mv_q4_K(x, wg), K.mul_mv_q4_K(x, wu))
+    assert (bits(fused) != bits(unfused)).mean() > 0.5
+    np.testing.assert_allclose(f64(fused), f64(unfused), rtol=1e-4, atol=1e-4)
+
+
+# -- composability -------------------------------------------------------------------------
+
+
+def test_kernels_compose_inside_mx_compile():
+    """The oracles are MLX ops: they run inside mx.compile and give the same bits uncompiled."""
+    x, w, h = arr(3, 256, scale=2), arr(256), arr(3, 256)
+    q = mx.array(quantize(RNG.standard_normal((8, 256)).astype(np.float32), T.Q4_K))
+
+    def step(x, w, h):
+        hid, out = K.tail_dual_eps(h, x, w, w, 1e-8, 1e-5)
+        return K.silu_mul(K.mul_mv_q4_K(out, q), K.mul_mv_q4_K(hid, q))
+
+    np.testing.assert_array_equal(bits(mx.compile(step)(x, w, h)), bits(step(x, w, h)))
+
+
+# -- sources -------------------------------------------------------------------------------
+
+
+def record_all_kernels():
+    """Run every public kernel function in record mode: the exact launches MLX would make."""
+    Kernel.recorded.clear()
+    x, w = arr(3, 512), arr(512)
+    q4 = mx.array(quantize(RNG.standard_normal((8, 512)).astype(np.float32), T.Q4_K))
+    q6 = mx.array(quantize(RNG.standard_normal((8, 512)).astype(np.float32), T.Q6_K))
+    K.rms_norm_mul(x, None, which="record")
+    K.rms_norm_mul(x, w, which="record")
+    K.rms_norm_mul(x, w, add=x, which="record")
+    K.rms_norm_batch(x, w, which="record")
+    K.rms_norm_f16(x, w, which="record")
+    K.tail_dual_eps(x, x, w, w, 1e-8, 1e-5, which="record")
+    K.tail_32sg(x, x, w, w, 1e-8, 1e-5, which="record")
+    K.mul_mv_q4_K(x, q4, which="record")
+    K.mul_mv_q6_K(x, q6, which="record")
+    K.silu_mul(x, x, which="record")
+    K.gelu_mul(x, x, which="record")
+    K.ffn_q4k_gate_up_4r2s(x, q4, q4, "silu", which="record")
+    K.ffn_q4k_gate_up_4r2s(x, q4, q4, "gelu_tanh", which="record")
+    calls = list(Kernel.recorded)
+    assert {c["kernel"] for c in calls} == set(K.ALL_KERNELS)
+    return calls
+
+
+def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
+    """MLX writes the kernel signature around our body; check it for every kernel and template."""
+    for i, c in enumerate(record_all_kernels()):
+        kernel = c["kernel"]
+        builder = kernel.metal_source_preview()
+
+        def call(*inputs):
+            return builder(inputs=list(inputs), output_shapes=c["output_shapes"], output_dtypes=c["output_dtypes"],
+                           grid=c["grid"], threadgroup=c["threadgroup"], template=c["template"], verbose=True)
+
+        mx.export_function(str(tmp_path / f"k{i}.mlxfn"), call, *c["inputs"])
+        src = capfd.readouterr().out
+        assert f"custom_kernel_{kernel.name}" in src, kernel.name
+        assert "#define MUSE_FN inline" in src
+        for name, a in zip(kernel.inputs, c["inputs"]):
+            space = "constant" if a.size < 8 else "device"
+            assert f"const {space} " in src and f"* {name} [[buffer(" in src, (kernel.name, name)
+        for name in kernel.outputs:
+            assert f"device " in src and f"* {name} [[buffer(" in src, (kernel.name, name)
+        for tname, value in c["template"] or []:
+            assert f"int {tname}" in src, (kernel.name, tname)
+        # the body arrives verbatim
+        assert kernel.body.strip().splitlines()[-1].strip() in src
+        # the Metal thread-position names the body uses became kernel attributes
+        for attr in ("threadgroup_position_in_grid", "thread_index_in_simdgroup", "thread_position_in_grid"):
+            if attr in kernel.body:
+                assert f"[[{attr}]]" in src, (kernel.name, attr)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_translation_of_every_kernel_compiles(tmp_path):
+    """The same bodies behind prelude.cuh, as mx.fast.cuda_kernel assembles them, through nvcc."""
+    header = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n"
+    for i, c in enumerate(record_all_kernels()):
+        k = c["kernel"]
+        src = tmp_path / f"k{i}.cu"
+        src.write_text(header + k.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"]))
+        r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(src) + ".ptx", str(src)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{k.name}:\n{r.stderr[-3000:]}"
+
+
+# -- on a GPU: kernel == oracle ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() == "cpu", reason="needs a Metal or CUDA device")
+def test_kernels_equal_oracles_on_the_gpu():
+    which = backend()
+    x, w, a = arr(5, 6656), arr(6656), arr(5, 6656)
+    np.testing.assert_array_equal(bits(K.rms_norm_mul(x, w, 1e-5, add=a, geometry="seeds", which=which)),
+                                  bits(rms_norm.rms_norm_mul_oracle(x, w, 1e-5, a, 1024)))
+    hid, out = K.tail_dual_eps(a, x, w, w, 1e-8, 1e-5, "seeds", which=which)
+    want = norm_tail.tail_dual_eps_oracle(a, x, w, w, 1e-8, 1e-5, 1024)
+    np.testing.assert_array_equal(bits(out), bits(want[1]))
+    for qtype, fn, oracle in ((T.Q4_K, K.mul_mv_q4_K, mul_mv.mul_mv_q4_K_oracle),
+                              (T.Q6_K, K.mul_mv_q6_K, mul_mv.mul_mv_q6_K_oracle)):
+        q = mx.array(quantize(RNG.standard_normal((37, 768)).astype(np.float32), qtype))
+        y = arr(3, 768)
+        np.testing.assert_array_equal(bits(fn(y, q, which=which)), bits(oracle(y, q)))
+    g, u = arr(1000, scale=4), arr(1000)
+    gpu_exp = lambda v: mx.exp(v.astype(mx.float32), stream=mx.gpu)  # noqa: E731  not the kernel's exp
+    assert ffn.silu_oracle(g, u, gpu_exp).shape == K.silu_mul(g, u, which=which).shape
