@@ -113,3 +113,17 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path, args, msg):
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and msg in errors[0]
+
+
+def test_cli_pinned_route_with_flags(tiny):
+    r = _cli("--model", str(tiny("muse-glimmer")), "--route", "pinned", "--flag", "tail_32sg", "--flag", "ffn_4r2s",
+             "--prompt", "Hi", "--max-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert any(line.startswith("Generation: 3 tokens") for line in r.stdout.splitlines())
+
+
+def test_pinned_and_stock_generate_the_same_greedy_tokens(tiny):
+    path = tiny("qwen3")
+    stock, tok = load(path, "stock")
+    pinned, _ = load(path, "pinned")
+    assert generate(stock, tok, "The quick", max_tokens=8) == generate(pinned, tok, "The quick", max_tokens=8)

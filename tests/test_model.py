@@ -55,11 +55,13 @@ def test_stock_route_on_q4_k_model_agrees_with_reference_dequantized_weights(tin
 
 
 def test_batch_rows_equal_single_sequences(tiny):
+    """Batching changes only matmul blocking (on a GPU, which kernel runs): float32 rounding."""
     model = load_model(tiny("muse-glimmer"))
     a, b = TOKENS[:10], TOKENS[10:]
+    model.kv_dtype = mx.float32
     both = np.array(model(mx.array([a, b])))
-    np.testing.assert_allclose(both[0], logits(model, a), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(both[1], logits(model, b), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(both[0], logits(model, a, mx.float32), rtol=0, atol=3e-5)
+    np.testing.assert_allclose(both[1], logits(model, b, mx.float32), rtol=0, atol=3e-5)
 
 
 def test_logits_are_float32_with_vocab_width(tiny, arch):
