@@ -10,7 +10,22 @@ from __future__ import annotations
 import mlx.core as mx
 
 
-class KVCache:
+class _Planes:
+    """What both caches share: the K and V planes and their size."""
+
+    keys = None
+    values = None
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.state)
+
+
+class KVCache(_Planes):
     """All positions, in buffers grown in steps of ``step`` tokens and written by slice."""
 
     step = 256
@@ -41,16 +56,8 @@ class KVCache:
         self.offset = start + T
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
-    @property
-    def state(self):
-        return [] if self.keys is None else [self.keys, self.values]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
-
-
-class SlidingKVCache:
+class SlidingKVCache(_Planes):
     """Only the last ``window - 1`` positions survive an update: the next query can see no further back.
 
     Keys stay in temporal order (old, then new), so masks are simple and the sum order of
@@ -76,14 +83,6 @@ class SlidingKVCache:
         start = total - min(max(self.window - 1, 0), total)
         self.keys, self.values = k[..., start:, :], v[..., start:, :]
         return k, v
-
-    @property
-    def state(self):
-        return [] if self.keys is None else [self.keys, self.values]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
 
 
 def make_cache(config) -> list:

@@ -67,54 +67,34 @@ class GGUFFile:
         got = main.name + (f" of {sub.name}" if sub is not None else "")
         return ModelConfigError(self.path, f"metadata key '{key}' has type {got}, expected {expected}")
 
-    def get_int(self, key: str, default: Any = ...) -> int:
+    def _get(self, key: str, default: Any, kinds: set, expected: str):
+        """The value of ``key`` if its type is one of ``kinds``; ``default`` when absent (if given)."""
         if default is not ... and not self.has(key):
             return default
-        main, _ = self._kind(key)
-        if main not in _INT_TYPES:
-            raise self._wrong(key, "an integer")
-        return int(self._field(key).contents())
+        if self._kind(key)[0] not in kinds:
+            raise self._wrong(key, expected)
+        try:
+            return self._field(key).contents()
+        except UnicodeDecodeError:
+            raise ModelConfigError(self.path, f"metadata key '{key}' holds text that is not valid UTF-8") from None
+
+    def get_int(self, key: str, default: Any = ...) -> int:
+        return int(self._get(key, default, _INT_TYPES, "an integer"))
 
     def get_float(self, key: str, default: Any = ...) -> float:
-        if default is not ... and not self.has(key):
-            return default
-        main, _ = self._kind(key)
-        if main not in _FLOAT_TYPES and main not in _INT_TYPES:
-            raise self._wrong(key, "a number")
-        value = float(self._field(key).contents())
+        value = float(self._get(key, default, _INT_TYPES | _FLOAT_TYPES, "a number"))
         if not np.isfinite(value):
             raise ModelConfigError(self.path, f"metadata key '{key}' is not finite ({value})")
         return value
 
     def get_str(self, key: str, default: Any = ...) -> str:
-        if default is not ... and not self.has(key):
-            return default
-        main, _ = self._kind(key)
-        if main != GGUFValueType.STRING:
-            raise self._wrong(key, "a string")
-        try:
-            return self._field(key).contents()
-        except UnicodeDecodeError:
-            raise ModelConfigError(self.path, f"metadata key '{key}' is not valid UTF-8") from None
+        return self._get(key, default, {GGUFValueType.STRING}, "a string")
 
     def get_bool(self, key: str, default: Any = ...) -> bool:
-        if default is not ... and not self.has(key):
-            return default
-        main, _ = self._kind(key)
-        if main != GGUFValueType.BOOL:
-            raise self._wrong(key, "a bool")
-        return bool(self._field(key).contents())
+        return bool(self._get(key, default, {GGUFValueType.BOOL}, "a bool"))
 
     def get_array(self, key: str, default: Any = ...) -> list:
-        if default is not ... and not self.has(key):
-            return default
-        main, _ = self._kind(key)
-        if main != GGUFValueType.ARRAY:
-            raise self._wrong(key, "an array")
-        try:
-            return self._field(key).contents()
-        except UnicodeDecodeError:
-            raise ModelConfigError(self.path, f"metadata key '{key}' holds strings that are not UTF-8") from None
+        return self._get(key, default, {GGUFValueType.ARRAY}, "an array")
 
     def array_kind(self, key: str) -> GGUFValueType | None:
         return self._kind(key)[1] if self.has(key) else None

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
-from .quants import dequantize, to_affine
+from .quants import FORMATS, dequantize, to_affine
 
 
 class QLinear(nn.Module):
@@ -30,7 +30,7 @@ class QLinear(nn.Module):
         self.out_features = out_features
         self.form = form
         if form == "affine":
-            self.weight, self.scales, self.biases, self.bits = to_affine(raw, qtype)
+            self.weight, self.scales, self.biases, self.bits = _affine_in_chunks(raw, qtype)
         elif form == "dense":
             self.weight = mx.view(raw, mx.bfloat16) if qtype == T.BF16 else raw
         elif form == "blocks":
@@ -48,6 +48,21 @@ class QLinear(nn.Module):
 
     def _extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}"
+
+
+def _affine_in_chunks(raw: mx.array, qtype: T, values_per_chunk: int = 1 << 20):
+    """The affine repack, a few rows at a time: unpacking makes ~8 bytes of temporaries per
+    weight, so a whole 19968x6656 matrix at once would need ~1 GB beside the model; 1M weights
+    at a time keep that under ~10 MB."""
+    per_row = raw.shape[1] // FORMATS[qtype].type_size * FORMATS[qtype].block_size
+    step = max(1, values_per_chunk // per_row)
+    parts = []
+    for start in range(0, raw.shape[0], step):
+        part = to_affine(raw[start : start + step], qtype)
+        mx.eval(part[:3])
+        parts.append(part)
+    bits = parts[0][3]
+    return tuple(mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)) + (bits,)
 
 
 class QEmbedding(nn.Module):

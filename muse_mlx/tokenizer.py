@@ -220,7 +220,3 @@ class StreamingDetokenizer:
         self.text += seg
         self._segment, self._emitted = [], 0
         return new
-
-    @property
-    def last_segment(self) -> str:
-        return self.text

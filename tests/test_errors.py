@@ -154,3 +154,25 @@ def test_missing_tokenizer(tmp_path):
     load_model(p)  # the model alone loads
     with pytest.raises(ModelConfigError, match="the file has no tokenizer"):
         load(p)
+
+
+def test_loading_needs_far_less_than_twice_the_file(tmp_path, capfd):
+    """Weights are copied tensor by tensor from the mapping: peak MLX memory ~ the model, not 2x the file.
+
+    pinned keeps the raw blocks (1x the quantized bytes); stock repacks Q4_K to affine with float32
+    scales (6.0 vs 4.5 bits per weight, 1.33x) while Q6_K stays raw.
+    """
+    import mlx.core as mx
+
+    from muse_mlx.writer import Geometry, write_tiny
+
+    g = Geometry(n_layer=4, n_embd=1024, n_ff=4096, n_head=8, n_head_kv=2, head_dim=128)
+    path = write_tiny(tmp_path / "mid.gguf", "muse-glimmer", "q4_k_m", geometry=g)
+    size = path.stat().st_size
+    for route, bound in (("pinned", 1.1), ("stock", 1.45)):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        model = load_model(path, route, progress=True)
+        assert mx.get_peak_memory() < bound * size, (route, mx.get_peak_memory() / size)
+        del model
+    assert "loading mid.gguf" in capfd.readouterr().err  # the progress bar
