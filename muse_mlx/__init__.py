@@ -6,10 +6,10 @@
 
 __version__ = "0.1.0"
 
-from .errors import GGUFError, ModelConfigError, MuseError, RequestError, RouteError  # noqa: E402
+from .errors import GGUFError, ModelConfigError, MuseError, NumericalError, RequestError, RouteError  # noqa: E402
 from .loader import load, load_model  # noqa: E402
 
 __all__ = [
-    "GGUFError", "ModelConfigError", "MuseError", "RequestError", "RouteError",
+    "GGUFError", "ModelConfigError", "MuseError", "NumericalError", "RequestError", "RouteError",
     "load", "load_model", "__version__",
 ]

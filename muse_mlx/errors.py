@@ -26,3 +26,7 @@ class RouteError(MuseError):
 
 class RequestError(MuseError):
     """A generation request that cannot be served (empty prompt, bad sampling value, ...)."""
+
+
+class NumericalError(MuseError):
+    """The model produced NaN or Inf; the message names where it first appeared."""

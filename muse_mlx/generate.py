@@ -18,7 +18,7 @@ from typing import Generator
 
 import mlx.core as mx
 
-from .errors import MuseError, RequestError
+from .errors import MuseError, NumericalError, RequestError
 from .sampling import make_sampler
 
 DEFAULT_MAX_TOKENS = 100
@@ -52,11 +52,13 @@ def generate_step(
     sampler = sampler or make_sampler()
     cache = model.make_cache() if cache is None else cache
 
+    history = prompt.tolist()
+
     def step(y):
         with mx.stream(generation_stream):
             logits = model(y.reshape(1, -1), cache, last_only=True)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return sampler(logprobs)[0], logprobs[0]
+            return sampler(logprobs)[0], logprobs[0], mx.isfinite(logits).all()
 
     with mx.stream(generation_stream):
         done, total = 0, prompt.size - 1
@@ -69,19 +71,34 @@ def generate_step(
             if prefill_callback is not None:
                 prefill_callback(done, total)
             mx.clear_cache()
-    y, logprobs = step(prompt)
-    mx.async_eval(y, logprobs)
+    y, logprobs, finite = step(prompt)
+    mx.async_eval(y, logprobs, finite)
     n = 0
     while n < max_tokens:
         if n + 1 < max_tokens:
-            next_y, next_logprobs = step(y)
-            mx.async_eval(next_y, next_logprobs)
-        yield int(y.item()), logprobs
+            next_y, next_logprobs, next_finite = step(y)
+            mx.async_eval(next_y, next_logprobs, next_finite)
+        token = int(y.item())
+        if not finite.item():
+            _raise_nonfinite(model, history, n)
+        history.append(token)
+        yield token, logprobs
         if n % 256 == 255:
             mx.clear_cache()
         n += 1
         if n < max_tokens:
-            y, logprobs = next_y, next_logprobs
+            y, logprobs, finite = next_y, next_logprobs, next_finite
+
+
+def _raise_nonfinite(model, tokens: list[int], n: int):
+    """Stop with the place where NaN/Inf first appears, found by re-running the tokens traced."""
+    from .trace import first_nonfinite
+
+    where = first_nonfinite(model, tokens)
+    at = "" if where is None else (
+        f": it first appears in {'the embedding' if where[0] < 0 else f'layer {where[0]}'}, op {where[1]}"
+    )
+    raise NumericalError(f"the logits for generated token {n} are not finite (NaN or Inf){at}")
 
 
 def _prompt_ids(tokenizer, prompt) -> list[int]:

@@ -15,9 +15,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from .errors import GGUFError, ModelConfigError
+from .gguf_check import check_gguf
 from .quants import FORMATS
-
-GGUF_MAGIC = b"GGUF"
 
 _INT_TYPES = {
     GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16,
@@ -36,16 +35,12 @@ class GGUFFile:
         if not self.path.is_file():
             raise GGUFError(self.path, "not a regular file")
         self.size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise GGUFError(self.path, f"not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+        check_gguf(self.path)  # counts, lengths, extents and types, before the reader trusts them
         try:
             self.reader = GGUFReader(self.path, "r")
         except Exception as e:  # the reader raises ValueError/KeyError/IndexError on bad input
             raise GGUFError(self.path, f"cannot parse the GGUF structure: {e}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self._check_tensor_extents()
 
     # -- metadata -------------------------------------------------------------------
 
@@ -100,14 +95,6 @@ class GGUFFile:
         return self._kind(key)[1] if self.has(key) else None
 
     # -- tensors --------------------------------------------------------------------
-
-    def _check_tensor_extents(self) -> None:
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > self.size:
-                raise GGUFError(
-                    self.path,
-                    f"tensor '{t.name}' ends at byte {t.data_offset + t.n_bytes}, past the end of the file ({self.size} bytes)",
-                )
 
     def tensor(self, name: str):
         t = self.tensors.get(name)

@@ -64,9 +64,25 @@ class _Weights:
         return Norm(arr, eps)
 
     def _device(self, t) -> mx.array:
-        arr = mx.array(np.asarray(t.data))
+        data = np.asarray(t.data)
+        self._check_finite(t.name, data, T(t.tensor_type))
+        arr = mx.array(data)
         mx.eval(arr)
         return arr
+
+    def _check_finite(self, name: str, data: np.ndarray, qtype: T) -> None:
+        """No NaN/Inf scales or weights: they would turn every logit into NaN, far from here."""
+        rows = data.reshape(data.shape[0], -1) if data.ndim > 1 else data.reshape(1, -1)
+        step = max(1, (1 << 24) // max(rows.shape[1], 1))  # bounded temporaries on big tensors
+        for start in range(0, rows.shape[0], step):
+            part = rows[start : start + step]
+            values = _scale_fields(part, qtype)
+            if not np.isfinite(values).all():
+                bad = np.argwhere(~np.isfinite(values))[0]
+                what = "scale" if qtype in QUANTIZED else "value"
+                raise ModelConfigError(
+                    self.f.path, f"tensor '{name}' holds a non-finite {what} in row {start + int(bad[0])}"
+                )
 
     def linear(self, name: str, out_features: int, in_features: int) -> QLinear:
         t, qtype = self._raw(name, (out_features, in_features))
@@ -97,6 +113,20 @@ class _Weights:
                 self.f.path,
                 f"{len(unused)} tensor(s) this engine would ignore (refusing to run a different graph): {shown}",
             )
+
+
+_SCALE_OFFSETS = {T.Q8_0: (34, [0]), T.Q4_K: (144, [0, 2]), T.Q5_K: (176, [0, 2]), T.Q6_K: (210, [208])}
+
+
+def _scale_fields(rows: np.ndarray, qtype: T) -> np.ndarray:
+    """The float values a finiteness check must see: each block's f16 scales, or the floats themselves."""
+    if qtype in _SCALE_OFFSETS:
+        size, offsets = _SCALE_OFFSETS[qtype]
+        blocks = rows.reshape(rows.shape[0], -1, size)
+        return np.stack([blocks[..., o : o + 2].copy().view(np.float16)[..., 0] for o in offsets], axis=-1)
+    if qtype == T.BF16:
+        return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return rows
 
 
 def load_model(path, route: str | Route = "stock", flags=(), progress: bool | None = None) -> Model:

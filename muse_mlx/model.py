@@ -21,6 +21,7 @@ from .cache import make_cache
 from .config import ModelConfig
 from .layers import Norm, QEmbedding, QLinear
 from .routes import Route
+from .trace import tap
 
 
 def attention_mask(T: int, offset: int, n_kept: int, window: int):
@@ -76,29 +77,31 @@ class Block(nn.Module):
     def attention(self, a: mx.array, route: Route, mask, cache, kv_dtype) -> mx.array:
         cfg = self.cfg
         B, T, _ = a.shape
-        q = route.linear(a, self.attn_q).reshape(B, T, cfg.n_head, cfg.head_dim)
-        k = route.linear(a, self.attn_k).reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        v = route.linear(a, self.attn_v).reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        gate = route.linear(a, self.attn_gate) if cfg.attn_gate else None
+        il = self.layer
+        q = tap("Qcur", route.linear(a, self.attn_q), il).reshape(B, T, cfg.n_head, cfg.head_dim)
+        k = tap("Kcur", route.linear(a, self.attn_k), il).reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        v = tap("Vcur", route.linear(a, self.attn_v), il).reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        gate = tap("attn_gate_proj", route.linear(a, self.attn_gate), il) if cfg.attn_gate else None
         if cfg.qk_norm:
-            q = route.norm(q, self.attn_q_norm)
-            k = route.norm(k, self.attn_k_norm)
+            q = tap("Qcur_normed", route.norm(q, self.attn_q_norm), il)
+            k = tap("Kcur_normed", route.norm(k, self.attn_k_norm), il)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
         if self.use_rope:
             offset = 0 if cache is None else cache.offset
-            q = self._rope(q, offset)
-            k = self._rope(k, offset)
+            q = tap("Qcur_rope", self._rope(q, offset), il)
+            k = tap("Kcur_rope", self._rope(k, offset), il)
         if cfg.q_scale is not None:
-            q = q * np.float32(cfg.q_scale)
+            q = tap("Qcur_scaled", q * np.float32(cfg.q_scale), il)
         # llama.cpp's cache planes are f16, and attention reads the cache (the current token included).
-        k, v = k.astype(kv_dtype), v.astype(kv_dtype)
+        k = tap("k_cache", k.astype(kv_dtype), il)
+        v = tap("v_cache", v.astype(kv_dtype), il)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         o = attend(q, k, v, cfg.kq_scale, mask, cfg.attn_softcap)
-        o = o.transpose(0, 2, 1, 3).reshape(B, T, cfg.q_width)
+        o = tap("attn_out", o.transpose(0, 2, 1, 3).reshape(B, T, cfg.q_width), il)
         if gate is not None:
-            o = route.attn_gate(o, gate)
-        return route.linear(o, self.attn_output)
+            o = tap("attn_gated", route.attn_gate(o, gate), il)
+        return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 
     def _rope(self, x: mx.array, offset: int) -> mx.array:
         cfg = self.cfg
@@ -113,13 +116,17 @@ class Block(nn.Module):
         )
 
     def __call__(self, hidden, a, route: Route, mask, cache, next_norm: Norm, kv_dtype=mx.float16):
+        il, last = self.layer, self.layer + 1 == self.cfg.n_layer
         o = self.attention(a, route, mask, cache, kv_dtype)
         post = self.post_attention_norm if self.cfg.post_norm_eps is not None else None
         hidden, f = route.residual_norm(hidden, o, post, self.ffn_norm)
-        mid = route.ffn_gate_up(f, self.ffn_gate, self.ffn_up, self.cfg.activation)
-        d = route.linear(mid, self.ffn_down)
+        hidden, f = tap("ffn_inp", hidden, il), tap("ffn_norm", f, il)
+        mid = tap("ffn_act", route.ffn_gate_up(f, self.ffn_gate, self.ffn_up, self.cfg.activation), il)
+        d = tap("ffn_out", route.linear(mid, self.ffn_down), il)
         post = self.post_ffw_norm if self.cfg.post_norm_eps is not None else None
-        return route.residual_norm(hidden, d, post, next_norm)
+        hidden, a = route.residual_norm(hidden, d, post, next_norm)
+        # the next layer's pre-norm comes out of this tail (or the output norm, after the last)
+        return tap("l_out", hidden, il), tap("result_norm" if last else "attn_norm", a, -1 if last else il + 1)
 
 
 class Model(nn.Module):
@@ -141,11 +148,11 @@ class Model(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         """Token rows (dequantized), scaled or normed as the architecture's graph does."""
         cfg = self.cfg
-        x = self.token_embd(tokens)
+        x = tap("inp_embd", self.token_embd(tokens))
         if cfg.embed_scale is not None:
-            x = x * np.float32(cfg.embed_scale)  # ggml_scale by sqrtf(n_embd), in f32
+            x = tap("inp_scaled", x * np.float32(cfg.embed_scale))  # ggml_scale by sqrtf(n_embd), in f32
         if cfg.entry_norm:
-            x = self.route.norm(x, Norm(None, cfg.rms_eps))
+            x = tap("embd_norm", self.route.norm(x, Norm(None, cfg.rms_eps)))
         return x
 
     def __call__(self, tokens: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
@@ -155,7 +162,7 @@ class Model(nn.Module):
         T = tokens.shape[1]
         hidden = self.embed(tokens)
         masks = self._masks(T, cache)
-        a = route.norm(hidden, self.blk[0].attn_norm)
+        a = tap("attn_norm", route.norm(hidden, self.blk[0].attn_norm), 0)
         for i, block in enumerate(self.blk):
             nxt = self.blk[i + 1].attn_norm if i + 1 < cfg.n_layer else self.output_norm
             c = None if cache is None else cache[i]
@@ -168,7 +175,7 @@ class Model(nn.Module):
         if cfg.final_softcap is not None:
             c = np.float32(cfg.final_softcap)
             logits = mx.tanh(logits * (np.float32(1.0) / c)) * c
-        return logits
+        return tap("result_output", logits)
 
     def _masks(self, T: int, cache):
         """The two masks of a forward (global layers, sliding layers), made once."""
