@@ -205,7 +205,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         prog="python -m muse_mlx.generate",
         description="Generate text from a GGUF checkpoint with muse_mlx.",
     )
-    p.add_argument("--model", help="path to a GGUF file (default: a tiny random-weight muse-glimmer demo, made on first use)")
+    p.add_argument("--model", help="path to a GGUF file (default: the small muse-glimmer model shipped with the package)")
     p.add_argument("--prompt", "-p", default="Hello", help="the prompt; '-' reads it from stdin (default: %(default)s)")
     p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate (default: %(default)s)")
     p.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: %(default)s)")
@@ -266,10 +266,10 @@ def _run(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     path = args.model
     if path is None:
-        from .demo import DEMO_NOTE, demo_model_path
+        from .demo import default_model
 
-        path = demo_model_path()
-        print(f"[muse_mlx] no --model given: {path} ({DEMO_NOTE})", file=sys.stderr)
+        path, note = default_model()
+        print(f"[muse_mlx] no --model given: {path} ({note})", file=sys.stderr)
     if args.seed is not None:
         mx.random.seed(args.seed)
     model, tokenizer = load(path, route=route)

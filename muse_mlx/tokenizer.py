@@ -124,6 +124,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> "Tokenizer":
+        try:
+            return cls._from_gguf(f)
+        except ModelConfigError:
+            raise
+        except Exception as e:  # `tokenizers` reports an inconsistent vocabulary as a bare Exception
+            raise ModelConfigError(f.path, f"the tokenizer stored in the file cannot be built: {e}") from None
+
+    @classmethod
+    def _from_gguf(cls, f: GGUFFile) -> "Tokenizer":
         if not f.has("tokenizer.ggml.model"):
             raise ModelConfigError(f.path, "the file has no tokenizer (metadata key 'tokenizer.ggml.model' is missing)")
         kind = f.get_str("tokenizer.ggml.model")

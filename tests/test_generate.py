@@ -83,7 +83,7 @@ def _cli(*args, env_extra=None):
 def test_cli_default_demo_model(tmp_path):
     r = _cli("--prompt", "Hello", "--max-tokens", "20", env_extra={"MUSE_MLX_CACHE": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    assert "random-weight" in r.stderr
+    assert "trained on Python's documentation" in r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == "=" * 10
     assert any(line.startswith("Prompt: ") and "tokens-per-sec" in line for line in lines)
