@@ -1,7 +1,8 @@
 """Train a small real muse-glimmer model with MLX and export it as GGUF.
 
-    python scripts/train_tiny.py --out models/               # CPU: the tiny size, ~10 minutes
-    python scripts/train_tiny.py --size small --steps 3000    # a GPU: a larger one
+    python scripts/train_tiny.py --size cpu --steps 600 --batch 8 --seq 64 --out models/   # a CPU
+    python scripts/train_tiny.py --steps 1000 --batch 32 --out models/   # a GPU: the shipped model
+    python scripts/train_tiny.py --size small --steps 2000 --batch 32    # a GPU: a larger one
 
 Corpus: the English documentation that ships with every CPython -- the docstrings of the
 standard library's modules, classes and functions, and the language reference topics of
@@ -44,6 +45,8 @@ from muse_mlx.writer import Geometry, write_gguf  # noqa: E402
 
 SIZES = {
     # hidden must be a multiple of 256 (K-quant rows); n_ff too (ffn_down's rows)
+    "cpu": dict(geometry=Geometry(n_layer=2, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_ctx=512,
+                                  sliding_window=64, rms_eps=1e-5), vocab=1024),
     "tiny": dict(geometry=Geometry(n_layer=4, n_embd=256, n_ff=768, n_head=4, n_head_kv=2, head_dim=64, n_ctx=1024,
                                    sliding_window=128, rms_eps=1e-5), vocab=2048),
     "small": dict(geometry=Geometry(n_layer=6, n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, head_dim=64, n_ctx=1024,
