@@ -203,27 +203,24 @@ def fuzz_small(small, tmp_path_factory):
     return small, tmp_path_factory.mktemp("fuzz")
 
 
-def test_fuzzed_files_load_or_fail_cleanly(fuzz_small):
-    """Mutated checkpoints either load or raise MuseError -- never another exception, never a hang."""
+def _fuzz(fuzz_small, cases: int) -> None:
     (path, data, layout), tmp = fuzz_small
 
-    @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=cases, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(_mutations(len(data), layout["data_start"]))
     def run(mutation):
         _fuzz_once(tmp, data, *mutation)
 
     run()
+
+
+def test_fuzzed_files_load_or_fail_cleanly(fuzz_small):
+    """Mutated checkpoints either load or raise MuseError -- never another exception, never a hang."""
+    _fuzz(fuzz_small, 150)
     assert FUZZ["n"] >= 150
 
 
 @pytest.mark.slow
 def test_fuzzed_files_load_or_fail_cleanly_long(fuzz_small):
-    (path, data, layout), tmp = fuzz_small
-
-    @settings(max_examples=3000, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(_mutations(len(data), layout["data_start"]))
-    def run(mutation):
-        _fuzz_once(tmp, data, *mutation)
-
-    run()
+    _fuzz(fuzz_small, 3000)
     print(f"\nfuzz: {FUZZ}")
