@@ -17,7 +17,7 @@ import mlx.core as mx
 from . import fp
 from .backend import Kernel, backend
 from .fp import CPU
-from .mul_mv import F32, _flat, _k_scales, q4_K_lane_inputs
+from .mul_mv import F32, Q4KRows, _flat, q4_K_lane_inputs
 
 GELU_COEF_A = 0.044715
 SQRT_2_OVER_PI = 0.79788456080286535587989211986876
@@ -47,15 +47,11 @@ def ffn_4r2s_oracle(x, w_gate, w_up, activation="silu", exp=fp.exp, tanh=fp.tanh
     T = x2.shape[0]
     with mx.stream(CPU):
         Y, sumy = q4_K_lane_inputs(x2, nb)
-        Y, Ys = Y[:, None], sumy[:, None]  # [T, 1, nb, h, iq, c, ir, i], [T, 1, nb, iq, ir, 4]
+        Y = Y[:, None]  # [T, 1, nb, h, iq, c, ir, i]
 
         def rows_sum(w):
-            b = w.reshape(R, nb, 144)
-            d, dmin = fp.f16(b[..., 0:2]), fp.f16(b[..., 2:4])
-            sc, m = _k_scales(b)
-            sub = lambda v, o: mx.stack([v[..., o], v[..., o + 2]], axis=-1)[..., :, None][None]  # noqa: E731
-            qs = b[..., 16:144].reshape(R, nb, 2, 2, 4, 8)
-            nib = [(qs & 0x0F).astype(F32), (qs >> 4).astype(F32)]
+            rows = Q4KRows(w)
+            nib = [rows.lo, rows.hi]
             acc = []
             for h in (0, 1):  # q1 (yl) then q2 (yh)
                 for c in (0, 1):  # low nibbles with y[+0], high nibbles with y[+32]
@@ -63,17 +59,11 @@ def ffn_4r2s_oracle(x, w_gate, w_up, activation="silu", exp=fp.exp, tanh=fp.tanh
                     for k in range(8):
                         a = fp.fma(Y[:, :, :, h, :, c, :, k], nib[c][:, :, h, :, :, k][None], a)
                     acc.append(a)  # [T, R, nb, iq, ir]
-            scaled = acc[1] * sub(sc, 1)
-            scaled = fp.fma(acc[0], sub(sc, 0), scaled)
-            scaled = fp.fma(acc[2], sub(sc, 4), scaled)
-            scaled = fp.fma(acc[3], sub(sc, 5), scaled)
-            mins = Ys[..., 1] * sub(m, 1)
-            mins = fp.fma(Ys[..., 0], sub(m, 0), mins)
-            mins = fp.fma(Ys[..., 2], sub(m, 4), mins)
-            mins = fp.fma(Ys[..., 3], sub(m, 5), mins)
-            part = fp.fma(d[None, :, :, None, None], scaled, -(dmin[None, :, :, None, None] * mins))
-            part = fp.pad_axis(part, 2, 4).reshape(T, R, -1, 4, 2, 4)
-            return fp.simd_sum(fp.running_sum(part, axis=2).reshape(T, R, 32))
+            scaled = acc[1] * rows.lane(rows.sc, 1)
+            scaled = fp.fma(acc[0], rows.lane(rows.sc, 0), scaled)
+            scaled = fp.fma(acc[2], rows.lane(rows.sc, 4), scaled)
+            scaled = fp.fma(acc[3], rows.lane(rows.sc, 5), scaled)
+            return rows.lane_totals(scaled, sumy, T)
 
         g, u = rows_sum(w_gate), rows_sum(w_up)
         out = silu_oracle(g, u, exp) if activation == "silu" else gelu_oracle(g, u, tanh)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import fp
+from ..quants import _k_scale_min
 from .backend import Kernel, backend
 from .fp import CPU
 
@@ -23,13 +24,41 @@ def _flat(y: mx.array, k: int) -> mx.array:
     return y.astype(F32).reshape(-1, k)
 
 
-def _k_scales(b: mx.array) -> tuple[mx.array, mx.array]:
-    """The 6-bit (scale, min) of the 8 sub-blocks, as float32 [..., 8] (get_scale_min_k4)."""
-    s = b[..., 4:16]
-    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = mx.concatenate([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
-    m = mx.concatenate([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], axis=-1)
-    return sc.astype(F32), m.astype(F32)
+class Q4KRows:
+    """A Q4_K matrix's fields as every lane reads them (shared by the matvec and fused-FFN oracles).
+
+    ``d``/``dmin`` are ``[1, R, nb, 1, 1]``; :meth:`lane` gives the 6-bit scale or min of the
+    lane's sub-block ``o + 2*iq`` as ``[1, R, nb, iq, 1]``; ``lo``/``hi`` are the nibbles of
+    byte ``64h + 32iq + 8ir + j`` as ``[R, nb, h, iq, ir, j]``.
+    """
+
+    def __init__(self, w: mx.array):
+        R, nb = w.shape[0], w.shape[1] // 144
+        b = w.reshape(R, nb, 144)
+        self.R, self.nb = R, nb
+        self.d = fp.f16(b[..., 0:2])[None, :, :, None, None]
+        self.dmin = fp.f16(b[..., 2:4])[None, :, :, None, None]
+        self.sc, self.m = (v.astype(F32) for v in _k_scale_min(b[..., 4:16]))
+        qs = b[..., 16:144].reshape(R, nb, 2, 2, 4, 8)
+        self.lo, self.hi = (qs & 0x0F).astype(F32), (qs >> 4).astype(F32)
+
+    @staticmethod
+    def lane(v: mx.array, o: int) -> mx.array:
+        return mx.stack([v[..., o], v[..., o + 2]], axis=-1)[..., :, None][None]
+
+    def lane_totals(self, scaled: mx.array, sumy: mx.array, T: int) -> mx.array:
+        """``sumf += d*scaled - dmin*(Y0*m0 + ...)`` over each lane's blocks (ix, ix+4, ...), then simd_sum.
+
+        ``scaled`` is ``[T, R, nb, iq, ir]``; returns ``[T, R]``."""
+        lane, m = self.lane, self.m
+        Ys = sumy[:, None]  # [T, 1, nb, iq, ir, 4]
+        mins = Ys[..., 1] * lane(m, 1)
+        mins = fp.fma(Ys[..., 0], lane(m, 0), mins)
+        mins = fp.fma(Ys[..., 2], lane(m, 4), mins)
+        mins = fp.fma(Ys[..., 3], lane(m, 5), mins)
+        part = fp.fma(self.d, scaled, -(self.dmin * mins))
+        part = fp.pad_axis(part, 2, 4).reshape(T, self.R, -1, 4, 2, 4)
+        return fp.simd_sum(fp.running_sum(part, axis=2).reshape(T, self.R, 32))
 
 
 def q4_K_lane_inputs(y2: mx.array, nb: int):
@@ -46,22 +75,12 @@ def q4_K_lane_inputs(y2: mx.array, nb: int):
 
 
 def mul_mv_q4_K_oracle(y, w) -> mx.array:
-    R = w.shape[0]
     nb = w.shape[1] // 144
-    K = nb * 256
-    y2 = _flat(y, K)
+    y2 = _flat(y, nb * 256)
     T = y2.shape[0]
     with mx.stream(CPU):
-        b = w.reshape(R, nb, 144)
-        d, dmin = fp.f16(b[..., 0:2]), fp.f16(b[..., 2:4])
-        sc, m = _k_scales(b)
-        # the lane's four sub-blocks: 2iq, 2iq+1 (low/high nibbles of q1), 2iq+4, 2iq+5 (q2)
-        sub = lambda v, o: mx.stack([v[..., o], v[..., o + 2]], axis=-1)[..., :, None]  # noqa: E731
-        s0, s1, s4, s5 = sub(sc, 0), sub(sc, 1), sub(sc, 4), sub(sc, 5)  # [R, nb, iq, 1]
-        m0, m1, m4, m5 = sub(m, 0), sub(m, 1), sub(m, 4), sub(m, 5)
-        qs = b[..., 16:144].reshape(R, nb, 2, 2, 4, 8)  # byte = 64h + 32iq + 8ir + j
-        lo = (qs & 0x0F).astype(F32)
-        hi = (qs >> 4).astype(F32)
+        rows = Q4KRows(w)
+        lane = rows.lane
         Y, sumy = q4_K_lane_inputs(y2, nb)
         Y = Y[:, None]  # [T, 1, nb, h, iq, c, ir, i]
         acc = {}
@@ -70,31 +89,21 @@ def mul_mv_q4_K_oracle(y, w) -> mx.array:
             for i in range(4):
                 yv = lambda c, k: Y[:, :, :, h, :, c, :, k]  # noqa: E731  [T, 1, nb, iq, ir]
                 qv = lambda v, j, f: (v[:, :, h, :, :, j] * f)[None]  # noqa: E731  [1, R, nb, iq, ir]
-                a[0] = fp.fma(yv(0, 2 * i), qv(lo, 2 * i, 1.0), a[0])
-                a[1] = fp.fma(yv(0, 2 * i + 1), qv(lo, 2 * i + 1, 256.0), a[1])
-                a[2] = fp.fma(yv(1, 2 * i), qv(hi, 2 * i, 16.0), a[2])
-                a[3] = fp.fma(yv(1, 2 * i + 1), qv(hi, 2 * i + 1, 4096.0), a[3])
+                a[0] = fp.fma(yv(0, 2 * i), qv(rows.lo, 2 * i, 1.0), a[0])
+                a[1] = fp.fma(yv(0, 2 * i + 1), qv(rows.lo, 2 * i + 1, 256.0), a[1])
+                a[2] = fp.fma(yv(1, 2 * i), qv(rows.hi, 2 * i, 16.0), a[2])
+                a[3] = fp.fma(yv(1, 2 * i + 1), qv(rows.hi, 2 * i + 1, 4096.0), a[3])
             acc[h] = a
         c256, c16 = mx.array(1.0 / 256.0, F32), mx.array(1.0 / 16.0, F32)
         a0 = fp.fma(c256, acc[0][1], acc[0][0])
         a1 = fp.fma(c256, acc[0][3], acc[0][2])
         b0 = fp.fma(c256, acc[1][1], acc[1][0])
         b1 = fp.fma(c256, acc[1][3], acc[1][2])
-        scaled = (a1 * s1[None]) * c16
-        scaled = fp.fma(a0, s0[None], scaled)
-        scaled = fp.fma(b0, s4[None], scaled)
-        scaled = fp.fma(b1 * s5[None], c16, scaled)
-        Ys = sumy[:, None]  # [T, 1, nb, iq, ir, 4]
-        mins = Ys[..., 1] * m1[None]
-        mins = fp.fma(Ys[..., 0], m0[None], mins)
-        mins = fp.fma(Ys[..., 2], m4[None], mins)
-        mins = fp.fma(Ys[..., 3], m5[None], mins)
-        dd, dm = d[None, :, :, None, None], dmin[None, :, :, None, None]
-        part = fp.fma(dd, scaled, -(dm * mins))  # [T, R, nb, iq, ir]
-        # lane (ix, iq, ir) walks blocks ix, ix+4, ...: a running sum per lane, then the butterfly
-        part = fp.pad_axis(part, 2, 4).reshape(T, R, -1, 4, 2, 4)
-        lanes = fp.running_sum(part, axis=2).reshape(T, R, 32)
-        return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
+        scaled = (a1 * lane(rows.sc, 1)) * c16
+        scaled = fp.fma(a0, lane(rows.sc, 0), scaled)
+        scaled = fp.fma(b0, lane(rows.sc, 4), scaled)
+        scaled = fp.fma(b1 * lane(rows.sc, 5), c16, scaled)
+        return rows.lane_totals(scaled, sumy, T).reshape(*y.shape[:-1], rows.R)
 
 
 def mul_mv_q6_K_oracle(y, w) -> mx.array:
