@@ -34,7 +34,6 @@ class GGUFFile:
             raise GGUFError(self.path, "no such file")
         if not self.path.is_file():
             raise GGUFError(self.path, "not a regular file")
-        self.size = self.path.stat().st_size
         check_gguf(self.path)  # counts, lengths, extents and types, before the reader trusts them
         try:
             self.reader = GGUFReader(self.path, "r")

@@ -115,15 +115,15 @@ class _Weights:
             )
 
 
-_SCALE_OFFSETS = {T.Q8_0: (34, [0]), T.Q4_K: (144, [0, 2]), T.Q5_K: (176, [0, 2]), T.Q6_K: (210, [208])}
+# where each block keeps its f16 scales: d (and dmin) at the start, Q6_K's d at the end
+_SCALE_OFFSETS = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 
 
 def _scale_fields(rows: np.ndarray, qtype: T) -> np.ndarray:
     """The float values a finiteness check must see: each block's f16 scales, or the floats themselves."""
     if qtype in _SCALE_OFFSETS:
-        size, offsets = _SCALE_OFFSETS[qtype]
-        blocks = rows.reshape(rows.shape[0], -1, size)
-        return np.stack([blocks[..., o : o + 2].copy().view(np.float16)[..., 0] for o in offsets], axis=-1)
+        blocks = rows.reshape(rows.shape[0], -1, FORMATS[qtype].type_size)
+        return np.stack([blocks[..., o : o + 2].copy().view(np.float16)[..., 0] for o in _SCALE_OFFSETS[qtype]], axis=-1)
     if qtype == T.BF16:
         return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return rows

@@ -58,8 +58,14 @@ class Route:
         raise NotImplementedError
 
     def residual_norm(self, hidden: mx.array, src: mx.array, post: Norm | None, nxt: Norm):
-        """``hidden += post(src)`` (or ``+= src`` without a post norm); return ``(hidden, nxt(hidden))``."""
-        raise NotImplementedError
+        """``hidden += post(src)`` (or ``+= src`` without a post norm); return ``(hidden, nxt(hidden))``.
+
+        Unfused here: the route's own norm, an add, the norm again."""
+        if post is not None:
+            src = self.norm(src, post)
+        self.count("add")
+        hidden = hidden + src
+        return hidden, self.norm(hidden, nxt)
 
     def linear(self, x: mx.array, w: QLinear) -> mx.array:
         raise NotImplementedError
@@ -96,13 +102,6 @@ class StockRoute(Route):
     def norm(self, x, norm):
         self.count("rms_norm")
         return mx.fast.rms_norm(x, norm.gamma, norm.eps)
-
-    def residual_norm(self, hidden, src, post, nxt):
-        if post is not None:
-            src = self.norm(src, post)
-        self.count("add")
-        hidden = hidden + src
-        return hidden, self.norm(hidden, nxt)
 
     def linear(self, x, w):
         if w.form == "affine":
@@ -159,11 +158,7 @@ class PinnedRoute(Route):
 
     def residual_norm(self, hidden, src, post, nxt):
         if post is None or "split_norm_f16" in self.flags:
-            if post is not None:
-                src = self.norm(src, post)
-            self.count("add")
-            hidden = hidden + src
-            return hidden, self.norm(hidden, nxt)
+            return super().residual_norm(hidden, src, post, nxt)
         if "tail_32sg" in self.flags:
             self.count("fused_norm_residual_rms_norm_32sg")
             return kernels.tail_32sg(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps)

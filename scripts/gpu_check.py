@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from muse_mlx import kernels as K  # noqa: E402
+from muse_mlx.compare import ulp_distance  # noqa: E402
 from muse_mlx.kernels import ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
 from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
 from muse_mlx.quantizers import quantize  # noqa: E402
@@ -61,14 +62,6 @@ def probe(fn: str):
         return out.reshape(v.shape)
 
     return device_fn
-
-
-def ulp_distance(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """ULPs between float32 arrays (0 for equal bits; +0 and -0 are one apart)."""
-    def key(x):
-        i = np.ascontiguousarray(x, dtype=np.float32).view(np.int32).astype(np.int64)
-        return np.where(i < 0, -(i & 0x7FFFFFFF) - 1, i)
-    return np.abs(key(a) - key(b))
 
 
 def compare(kernel: str, case: str, got, want, exact: bool = True, note: str = "") -> None:
