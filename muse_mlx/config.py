@@ -106,6 +106,10 @@ def _swa_pattern(f: GGUFFile, arch: str, n_layer: int, default_period: int) -> t
 def _read(f: GGUFFile, arch: str) -> ModelConfig:
     k = lambda name: f"{arch}.{name}"  # noqa: E731
     n_layer = _positive(f, k("block_count"), f.get_int(k("block_count")))
+    # Per-layer structures are built from block_count: check it against the tensors first.
+    stored = sum(1 for name in f.tensors if name.endswith(".attn_norm.weight") and name.startswith("blk."))
+    if n_layer != stored:
+        raise ModelConfigError(f.path, f"metadata key '{k('block_count')}' = {n_layer}, but the file has {stored} layers of tensors")
     n_embd = _positive(f, k("embedding_length"), f.get_int(k("embedding_length")))
     n_ctx = _positive(f, k("context_length"), f.get_int(k("context_length")))
     for per_layer in ("feed_forward_length", "attention.head_count", "attention.head_count_kv"):

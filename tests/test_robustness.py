@@ -224,3 +224,15 @@ def test_fuzzed_files_load_or_fail_cleanly(fuzz_small):
 def test_fuzzed_files_load_or_fail_cleanly_long(fuzz_small):
     _fuzz(fuzz_small, 3000)
     print(f"\nfuzz: {FUZZ}")
+
+
+def test_block_count_must_match_the_tensors(small, tmp_path):
+    """Found by the fuzzer: a corrupted block_count of ~10^12 built per-layer tuples until memory ran out."""
+    _, data, _ = small
+    key = b"muse-glimmer.block_count"
+    i = data.index(key) + len(key) + 4  # the UINT32 value
+    bad = data[:i] + struct.pack("<I", 0xA3000001) + data[i + 4 :]
+    t0 = time.perf_counter()
+    with pytest.raises(ModelConfigError, match=r"block_count' = 2734686209, but the file has 1 layers of tensors"):
+        load_model(_variant(tmp_path, bad))
+    assert time.perf_counter() - t0 < 1.0
