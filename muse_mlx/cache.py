@@ -1,8 +1,13 @@
-"""KV caches with float16 planes: a growing cache for global layers, a bounded one for sliding layers.
+"""KV caches with float16 planes: a growing buffer for global layers, a ring for sliding layers.
 
 llama.cpp stores K and V as f16 (K after QK-norm and RoPE, V straight from its projection)
 and attention always reads the cache, the current token included; the model rounds to
-f16 before calling :meth:`update_and_fetch`, so both caches only store what they are given.
+f16 before writing, so the caches only store what they are given.
+
+Both caches keep K and V in ONE array ``kv [2, B, Hkv, capacity, D]`` (K then V), written in
+place by slice update, so a decoded token costs one write and the decode attention kernel
+reads both planes from one buffer. Position ``p`` lives in slot ``p`` of a global layer's
+buffer and in slot ``p % window`` of a sliding layer's ring.
 """
 
 from __future__ import annotations
@@ -11,28 +16,83 @@ import mlx.core as mx
 
 
 class _Planes:
-    """What both caches share: the K and V planes and their size."""
+    """What both caches share: the planes, the position count, the in-place write."""
 
-    keys = None
-    values = None
+    kv = None
+    offset = 0
+    window = 0  # 0: every past position stays visible
+
+    @property
+    def keys(self) -> mx.array | None:
+        return None if self.kv is None else self.kv[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return None if self.kv is None else self.kv[1]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.kv is None else self.kv.shape[3]
 
     @property
     def state(self):
-        return [] if self.keys is None else [self.keys, self.values]
+        return [] if self.kv is None else [self.kv]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.state)
+        return 0 if self.kv is None else self.kv.nbytes
+
+    def _allocate(self, like: mx.array, capacity: int) -> None:
+        """Planes of ``capacity`` slots shaped after ``like [B, H, T, D]`` (old contents kept)."""
+        B, H, _, D = like.shape
+        self._allocate_shape(B, H, D, like.dtype, capacity)
+
+    def reserve_for(self, cfg, total: int, dtype=mx.float16) -> None:
+        """Batch-1 planes with room for ``total`` positions (the decode path's allocation)."""
+        if self.kv is None or total > self.capacity:
+            like = mx.zeros((1, cfg.n_head_kv, 1, cfg.head_dim), dtype=dtype)
+            self.reserve(like, total)
+
+    def _allocate_shape(self, B: int, H: int, D: int, dtype, capacity: int) -> None:
+        grown = mx.zeros((2, B, H, capacity, D), dtype=dtype)
+        if self.kv is not None:
+            grown[:, :, :, : self.capacity, :] = self.kv
+        self.kv = grown
+        self._geometry = None
+
+    def _write(self, k: mx.array, v: mx.array, slot: int) -> None:
+        """K/V ``[B, H, T, D]`` into slots ``slot .. slot+T-1`` (no wrap)."""
+        T = k.shape[2]
+        self.kv[:, :, :, slot : slot + T, :] = mx.stack([k, v])
+
+    def write_token(self, kv16: mx.array, slot) -> None:
+        """The decode path's write: ``kv16 [2, B, H, 1, D]`` into one slot (an int or an int32 [1] array)."""
+        if isinstance(slot, int):
+            self.kv[:, :, :, slot : slot + 1, :] = kv16
+        else:
+            self.kv = mx.slice_update(self.kv, kv16, slot, axes=(3,))
+
+    def decode_geometry(self) -> mx.array:
+        """The decode attention kernel's constant arguments for these planes (made once per size)."""
+        from .kernels.attention import decode_geometry
+
+        if getattr(self, "_geometry", None) is None:
+            self._geometry = decode_geometry(self.capacity, self.window)
+        return self._geometry
+
+    def decode_planes(self) -> mx.array:
+        """``[2, H, capacity, D]`` for batch 1 (a view): what the decode attention kernel reads."""
+        _, B, H, cap, D = self.kv.shape
+        return self.kv.reshape(2, H, cap, D)
 
 
 class KVCache(_Planes):
-    """All positions, in buffers grown in steps of ``step`` tokens and written by slice."""
+    """Global layers: all positions, in a buffer grown ``step`` slots at a time (or reserved once)."""
 
     step = 256
 
     def __init__(self):
-        self.keys = None
-        self.values = None
+        self.kv = None
         self.offset = 0
 
     @property
@@ -40,51 +100,76 @@ class KVCache(_Planes):
         """Past positions the next update will attend to."""
         return self.offset
 
+    def reserve(self, like: mx.array, total: int) -> None:
+        """Make room for ``total`` positions now, so that decoding never reallocates."""
+        if total > self.capacity:
+            self._allocate(like, -(-total // self.step) * self.step)
+
+    def slot(self, position: int) -> int:
+        return position
+
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        B, H, T, D = k.shape
-        start = self.offset
-        if self.keys is None or start + T > self.keys.shape[2]:
-            cap = ((start + T + self.step - 1) // self.step) * self.step
-            grow_k = mx.zeros((B, H, cap, D), dtype=k.dtype)
-            grow_v = mx.zeros((B, H, cap, v.shape[-1]), dtype=v.dtype)
-            if self.keys is not None:
-                grow_k[..., :start, :] = self.keys[..., :start, :]
-                grow_v[..., :start, :] = self.values[..., :start, :]
-            self.keys, self.values = grow_k, grow_v
-        self.keys[..., start : start + T, :] = k
-        self.values[..., start : start + T, :] = v
+        start, T = self.offset, k.shape[2]
+        if self.kv is None or start + T > self.capacity:
+            self.reserve(k, start + T)
+        self._write(k, v, start)
         self.offset = start + T
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        return self.kv[0, :, :, : self.offset, :], self.kv[1, :, :, : self.offset, :]
 
 
-class SlidingKVCache(_Planes):
-    """Only the last ``window - 1`` positions survive an update: the next query can see no further back.
+class RingKVCache(_Planes):
+    """Sliding layers: the last ``window`` positions in a ring of ``window`` slots.
 
-    Keys stay in temporal order (old, then new), so masks are simple and the sum order of
-    attention matches the full forward.
+    A query sees the ``window - 1`` positions before it and itself, so that is all a ring of
+    ``window`` slots must hold. Prefill chunks get their keys in temporal order (the kept
+    positions gathered from the ring, then the new ones), so masks stay simple.
     """
 
     def __init__(self, window: int):
+        if window < 1:
+            raise ValueError(f"a sliding window must be at least 1, got {window}")
         self.window = window
-        self.keys = None
-        self.values = None
+        self.kv = None
         self.offset = 0
 
     @property
     def n_kept(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return min(self.offset, self.window - 1)
+
+    def reserve(self, like: mx.array, total: int) -> None:
+        if self.kv is None:
+            self._allocate(like, self.window)
+
+    def slot(self, position: int) -> int:
+        return position % self.window
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        self.offset += k.shape[2]
-        if self.n_kept > 0:
-            k = mx.concatenate([self.keys, k], axis=2)
-            v = mx.concatenate([self.values, v], axis=2)
-        total = k.shape[2]
-        start = total - min(max(self.window - 1, 0), total)
-        self.keys, self.values = k[..., start:, :], v[..., start:, :]
-        return k, v
+        self.reserve(k, 0)
+        T, start, kept = k.shape[2], self.offset, self.n_kept
+        if T == 1:
+            # one new token: every slot written so far is visible to it, in whatever order
+            self._write(k, v, self.slot(start))
+            self.offset = start + 1
+            n = min(self.offset, self.window)
+            return self.kv[0, :, :, :n, :], self.kv[1, :, :, :n, :]
+        if kept:
+            slots = mx.array([self.slot(p) for p in range(start - kept, start)])
+            old = mx.take(self.kv, slots, axis=3)
+            keys, values = mx.concatenate([old[0], k], axis=2), mx.concatenate([old[1], v], axis=2)
+        else:
+            keys, values = k, v
+        # keep the last `window` new positions; a run that wraps is written in two pieces
+        m = min(T, self.window)
+        first = start + T - m
+        s0 = self.slot(first)
+        head = min(m, self.window - s0)
+        self._write(k[:, :, T - m : T - m + head], v[:, :, T - m : T - m + head], s0)
+        if head < m:
+            self._write(k[:, :, T - m + head :], v[:, :, T - m + head :], 0)
+        self.offset = start + T
+        return keys, values
 
 
 def make_cache(config) -> list:
-    """One cache per layer: sliding layers get a bounded cache, global layers a growing one."""
-    return [SlidingKVCache(config.sliding_window) if swa else KVCache() for swa in config.swa_layers]
+    """One cache per layer: sliding layers get a ring of ``window`` slots, global layers a growing buffer."""
+    return [RingKVCache(config.sliding_window) if swa else KVCache() for swa in config.swa_layers]

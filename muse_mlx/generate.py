@@ -11,6 +11,7 @@ after each. The CLI prints what ``mlx_lm.generate`` prints, plus the weight band
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -42,15 +43,29 @@ class GenerationResponse:
     finish_reason: str | None = None
 
 
+PREFILL_MODES = ("batched", "exact")
+
+
 def generate_step(
     prompt: mx.array, model, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None, prefill_callback=None,
+    prefill: str = "batched",
 ) -> Generator[tuple[int, mx.array], None, None]:
-    """Yield ``(token, logprobs)`` pairs, one per generated token, for a 1-D prompt of ids."""
+    """Yield ``(token, logprobs)`` pairs, one per generated token, for a 1-D prompt of ids.
+
+    ``prefill="batched"`` pre-fills the prompt with matmuls (on the pinned route: an exact
+    dequantization and MLX's matmul, the stock route's bits, instead of one matvec per token);
+    ``"exact"`` keeps the route's one-token kernels for every prompt token (slow, batch-1 bits).
+    """
     if prompt.ndim != 1 or prompt.size == 0:
         raise RequestError("the prompt must contain at least one token")
+    if prefill not in PREFILL_MODES:
+        raise RequestError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
     sampler = sampler or make_sampler()
     cache = model.make_cache() if cache is None else cache
+    # room for the whole run now, so that decoding never reallocates the planes
+    for c in cache:
+        c.reserve_for(model.cfg, c.offset + prompt.size + max_tokens)
 
     history = prompt.tolist()
 
@@ -60,7 +75,7 @@ def generate_step(
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler(logprobs)[0], logprobs[0], mx.isfinite(logits).all()
 
-    with mx.stream(generation_stream):
+    with mx.stream(generation_stream), batched_prefill(model.route, prefill == "batched"):
         done, total = 0, prompt.size - 1
         while prompt.size > 1:
             n = min(prefill_step_size, prompt.size - 1)
@@ -88,6 +103,17 @@ def generate_step(
         n += 1
         if n < max_tokens:
             y, logprobs, finite = next_y, next_logprobs, next_finite
+
+
+@contextlib.contextmanager
+def batched_prefill(route, on: bool = True):
+    """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`)."""
+    before = route.batched
+    route.batched = on
+    try:
+        yield
+    finally:
+        route.batched = before
 
 
 def _raise_nonfinite(model, tokens: list[int], n: int):

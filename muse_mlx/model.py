@@ -103,6 +103,50 @@ class Block(nn.Module):
             o = tap("attn_gated", route.attn_gate(o, gate), il)
         return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 
+    def decode_attention(self, a: mx.array, route: Route, cache, kv_dtype, pos: mx.array, slot) -> mx.array:
+        """One new token (batch 1) straight into the cache planes, in as few dispatches as the route has.
+
+        The four projections are one matvec dispatch, the Q- and K-norms one norm dispatch, RoPE
+        one op over the query and key heads together; K and V are packed to f16 and written in
+        place at ``slot``; attention and its output gate read the planes directly. ``pos`` is the
+        token's position as an int32 [1] array, so nothing here depends on a Python-side count.
+        """
+        cfg, il = self.cfg, self.layer
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        qw, kw = cfg.q_width, cfg.kv_width
+        ws = [self.attn_q, self.attn_k, self.attn_v] + ([self.attn_gate] if cfg.attn_gate else [])
+        y = route.project(a, ws).reshape(-1)  # [q | k | v | gate]
+        qk = y[: qw + kw].reshape(H + Hkv, D)
+        v = tap("Vcur", y[qw + kw : qw + 2 * kw], il)
+        gate = tap("attn_gate_proj", y[qw + 2 * kw :], il) if cfg.attn_gate else None
+        if cfg.qk_norm:
+            qk = tap("QKcur_normed", route.qk_norm(qk, self.qk_norm_weights(), cfg.rms_eps), il)
+        if self.use_rope:
+            qk = tap("QKcur_rope", self._rope(qk.reshape(1, H + Hkv, 1, D), pos).reshape(H + Hkv, D), il)
+        q, k = qk[:H], qk[H:]
+        scale = cfg.kq_scale
+        if cfg.q_scale is not None:
+            if cfg.kq_scale == 1.0:
+                scale = cfg.q_scale  # the kernel's q*scale is then the graph's q*q_scale, bit for bit
+            else:
+                q = q * np.float32(cfg.q_scale)
+        kv = tap("kv_cache", route.kv_pack(k, v), il)
+        cache.write_token(kv.reshape(2, 1, Hkv, 1, D), slot)
+        o = route.attn_decode(q, cache.decode_planes(), pos, cache.decode_geometry(), scale, gate)
+        o = tap("attn_gated" if gate is not None else "attn_out", o.reshape(1, 1, qw), il)
+        return tap("attn_o_proj", route.linear(o, self.attn_output), il)
+
+    def qk_norm_weights(self) -> mx.array:
+        """``[n_head + n_head_kv, head_dim]``: the Q-norm weight per query head, then the K-norm per KV head."""
+        if getattr(self, "_qk_w", None) is None:
+            cfg = self.cfg
+            self._qk_w = mx.concatenate([
+                mx.broadcast_to(self.attn_q_norm.gamma, (cfg.n_head, cfg.head_dim)),
+                mx.broadcast_to(self.attn_k_norm.gamma, (cfg.n_head_kv, cfg.head_dim)),
+            ])
+            mx.eval(self._qk_w)
+        return self._qk_w
+
     def _rope(self, x: mx.array, offset: int) -> mx.array:
         cfg = self.cfg
         if self.rope_freqs is not None:
@@ -115,9 +159,12 @@ class Block(nn.Module):
             scale=self.rope_scale, offset=offset,
         )
 
-    def __call__(self, hidden, a, route: Route, mask, cache, next_norm: Norm, kv_dtype=mx.float16):
+    def __call__(self, hidden, a, route: Route, mask, cache, next_norm: Norm, kv_dtype=mx.float16, decode=None):
         il, last = self.layer, self.layer + 1 == self.cfg.n_layer
-        o = self.attention(a, route, mask, cache, kv_dtype)
+        if decode is not None:
+            o = self.decode_attention(a, route, cache, kv_dtype, *decode)
+        else:
+            o = self.attention(a, route, mask, cache, kv_dtype)
         post = self.post_attention_norm if self.cfg.post_norm_eps is not None else None
         hidden, f = route.residual_norm(hidden, o, post, self.ffn_norm)
         hidden, f = tap("ffn_inp", hidden, il), tap("ffn_norm", f, il)
@@ -155,18 +202,40 @@ class Model(nn.Module):
             x = tap("embd_norm", self.route.norm(x, Norm(None, cfg.rms_eps)))
         return x
 
-    def __call__(self, tokens: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+    def uses_decode_path(self, tokens: mx.array, cache) -> bool:
+        """Whether this call takes the one-token decode path (the route's fused decode kernels)."""
+        B, T = tokens.shape
+        return (B == 1 and T == 1 and cache is not None and self.kv_dtype == mx.float16
+                and self.route.fast_decode(self.cfg))
+
+    def __call__(self, tokens: mx.array, cache: list | None = None, last_only: bool = False,
+                 positions=None) -> mx.array:
+        """``positions`` (decode only): ``(pos, slots)`` -- the token's position as an int32 [1]
+        array and each layer's cache slot (ints or int32 [1] arrays); by default from the caches."""
         cfg, route = self.cfg, self.route
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")
         T = tokens.shape[1]
+        decode = self.uses_decode_path(tokens, cache)
         hidden = self.embed(tokens)
-        masks = self._masks(T, cache)
+        if decode:
+            for c in cache:
+                c.reserve_for(cfg, c.offset + 1)
+            if positions is None:
+                positions = (mx.array([cache[0].offset], dtype=mx.int32), [c.slot(c.offset) for c in cache])
+            pos, slots = positions
+            masks = {False: None, True: None}
+        else:
+            masks = self._masks(T, cache)
         a = tap("attn_norm", route.norm(hidden, self.blk[0].attn_norm), 0)
         for i, block in enumerate(self.blk):
             nxt = self.blk[i + 1].attn_norm if i + 1 < cfg.n_layer else self.output_norm
             c = None if cache is None else cache[i]
-            hidden, a = block(hidden, a, route, masks[block.is_swa], c, nxt, self.kv_dtype)
+            hidden, a = block(hidden, a, route, masks[block.is_swa], c, nxt, self.kv_dtype,
+                              (pos, slots[i]) if decode else None)
+        if decode:
+            for c in cache:
+                c.offset += 1
         if last_only:
             a = a[:, -1:, :]
         logits = route.linear(a, self.output)

@@ -27,6 +27,7 @@ from .layers import Norm, QLinear
 from .quants import FORMATS
 
 ROUTES = ("stock", "pinned")
+_KIND = {T.Q4_K: "q4_K", T.Q6_K: "q6_K"}  # the raw-block types the pinned matvecs read
 
 # Opt-in fusions of the pinned route, named after the reference engine's kernels.
 PINNED_FLAGS = {
@@ -44,6 +45,10 @@ class Route:
     def __init__(self, flags: frozenset[str] = frozenset()):
         self.flags = flags
         self.dispatches: Counter[str] = Counter()
+        # Batched prefill (generate_step turns it on while it pre-fills): the pinned route then
+        # runs inputs of more than MATVEC_MAX_TOKENS tokens through an exact dequantization and
+        # MLX's matmul (the stock route's dequantize-matmul bits) instead of a matvec per token.
+        self.batched = False
 
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""
@@ -69,6 +74,14 @@ class Route:
 
     def linear(self, x: mx.array, w: QLinear) -> mx.array:
         raise NotImplementedError
+
+    def project(self, x: mx.array, ws: list[QLinear]) -> mx.array:
+        """Several projections of the same input, concatenated on the last axis."""
+        return mx.concatenate([self.linear(x, w) for w in ws], axis=-1)
+
+    def fast_decode(self, cfg) -> bool:
+        """Whether this route has the one-token decode path for a model of this configuration."""
+        return False
 
     def glu(self, gate: mx.array, up: mx.array, activation: str) -> mx.array:
         raise NotImplementedError
@@ -134,6 +147,8 @@ class PinnedRoute(Route):
     """
 
     name = "pinned"
+    # llama.cpp's Metal backend runs kernel_mul_mv for batches of up to 3 tokens.
+    MATVEC_MAX_TOKENS = 3
 
     def __init__(self, flags=frozenset()):
         super().__init__(flags)
@@ -165,15 +180,47 @@ class PinnedRoute(Route):
         self.count("fused_norm_residual_rms_norm_batch_dual_eps")
         return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
 
+    def _batched(self, x) -> bool:
+        return self.batched and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
+
     def linear(self, x, w):
-        if w.form == "blocks" and w.qtype == T.Q4_K:
-            self.count("mul_mv_q4_K_f32")
-            return kernels.mul_mv_q4_K(x, w.weight)
-        if w.form == "blocks" and w.qtype == T.Q6_K:
-            self.count("mul_mv_q6_K_f32")
-            return kernels.mul_mv_q6_K(x, w.weight)
+        if w.form == "blocks" and w.qtype in _KIND:
+            if self._batched(x):
+                self.count("dequant_matmul")
+                return x @ kernels.dequantize_rows(w.weight, _KIND[w.qtype]).T
+            self.count(f"mul_mv_{_KIND[w.qtype]}_f32")
+            return (kernels.mul_mv_q4_K if w.qtype == T.Q4_K else kernels.mul_mv_q6_K)(x, w.weight)
         self.count("stock_linear")
         return self._stock.linear(x, w)
+
+    def project(self, x, ws):
+        # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs
+        # them one by one; each row gets the same bits either way).
+        if len(ws) <= 4 and not self._batched(x) and all(w.form == "blocks" and w.qtype in _KIND for w in ws):
+            self.count("mul_mv_multi_f32")
+            return kernels.mul_mv_multi(x, [(w.weight, _KIND[w.qtype]) for w in ws])
+        return super().project(x, ws)
+
+    def fast_decode(self, cfg) -> bool:
+        from .kernels.attention import CMAX
+
+        g = cfg.n_head // cfg.n_head_kv
+        fits = 4 * g * (cfg.head_dim + CMAX + 1) <= 32 * 1024  # the partial pass's threadgroup memory
+        return (cfg.attn_softcap is None and cfg.head_dim % 4 == 0 and cfg.head_dim <= 1024 and fits
+                and "split_norm_f16" not in self.flags)
+
+    def qk_norm(self, qk, weights, eps):
+        """The Q- and K-norms of one token, ``[n_head + n_head_kv, head_dim]``, in one dispatch."""
+        self.count("rms_norm_mul")
+        return kernels.rms_norm_mul(qk, weights, eps, geometry=self.geometry)
+
+    def kv_pack(self, k, v):
+        self.count("kv_pack_f16")
+        return kernels.kv_pack_f16(k, v)
+
+    def attn_decode(self, q, planes, pos, geometry, scale, gate):
+        self.count("attn_decode_partial + combine", 2)
+        return kernels.attn_decode(q, planes, pos, geometry, scale, gate)
 
     def glu(self, gate, up, activation):
         self.count(f"{activation}_mul_inplace")
@@ -185,6 +232,11 @@ class PinnedRoute(Route):
         if "ffn_4r2s" in self.flags and fusable:
             self.count("ffn_q4k_gate_up_silu_4r2s")
             return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
+        same = gate.form == up.form == "blocks" and gate.qtype == up.qtype and gate.qtype in _KIND
+        if same and not self._batched(x):
+            # gate, up and the activation in one dispatch, with the three unfused kernels' bits
+            self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")
+            return kernels.mul_mv_glu(x, gate.weight, up.weight, _KIND[gate.qtype], activation)
         return super().ffn_gate_up(x, gate, up, activation)
 
     def attn_gate(self, o, g):

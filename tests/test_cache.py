@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from muse_mlx import load_model
-from muse_mlx.cache import KVCache, SlidingKVCache
+from muse_mlx.cache import KVCache, RingKVCache
 
 TOKENS = [3, 17, 250, 99, 42, 7, 300, 12, 5, 64, 128, 1, 255, 77, 31, 8, 200, 150, 9, 10, 11, 13, 15, 17]
 
@@ -51,15 +53,90 @@ def test_cached_decode_with_f16_planes_equals_full_forward(tiny):
 
 def test_sliding_cache_keeps_only_the_window(tiny):
     model = load_model(tiny("muse-glimmer"))
-    _, cache = _decode(model, TOKENS, [1] * len(TOKENS))
+    _, cache = _decode(model, TOKENS, [5, 1, 1, 9, 8])
     window = model.cfg.sliding_window
     for c, swa in zip(cache, model.cfg.swa_layers):
         if swa:
-            assert isinstance(c, SlidingKVCache) and c.keys.shape[2] == window - 1
+            assert isinstance(c, RingKVCache) and c.keys.shape[2] == window
             assert c.keys.dtype == mx.float16
         else:
-            assert isinstance(c, KVCache) and c.offset == len(TOKENS)
+            assert isinstance(c, KVCache)
         assert c.offset == len(TOKENS)
+
+
+def _positions(T, start, D=2):
+    """K and V planes whose every element is its position (V negated), shape [1, 1, T, D]."""
+    p = mx.arange(start, start + T, dtype=mx.float32)[None, None, :, None] * mx.ones((1, 1, 1, D))
+    return p, -p
+
+
+@pytest.mark.parametrize("chunks", [[1] * 20, [3, 9, 1, 7], [20], [8, 8, 4], [2, 11, 7]])
+def test_ring_cache_slots_and_fetched_keys(chunks):
+    """Position p sits in slot p % window; a chunk gets the kept positions then its own, in order;
+    a single token gets every filled slot (rotated order: attention does not depend on it)."""
+    window, ring, start = 8, RingKVCache(8), 0
+    for T in chunks:
+        k, v = _positions(T, start)
+        kept = ring.n_kept
+        keys, values = ring.update_and_fetch(k, v)
+        got = np.array(keys)[0, 0, :, 0]
+        if T == 1:
+            assert sorted(got.tolist()) == list(range(max(0, start - window + 1), start + 1))
+        else:
+            assert got.tolist() == list(range(start - kept, start + T)) and kept == min(start, window - 1)
+        np.testing.assert_array_equal(np.array(values)[0, 0, :, 0], -got)
+        start += T
+        assert ring.offset == start
+        slots = np.array(ring.keys)[0, 0, :, 0]
+        for p in range(max(0, start - window), start):
+            assert slots[p % window] == p
+
+
+def _copy(cache):
+    out = []
+    for c in cache:
+        d = copy.copy(c)
+        d.kv = mx.array(c.kv)
+        out.append(d)
+    return out
+
+
+def test_decode_path_equals_the_general_path(tiny, arch):
+    """The one-token path (fused decode kernels on the pinned route, their oracles here) against the
+    general path from the same cache contents, step by step: the same math in other summation
+    orders. Each path writes the new token's K/V (rounded to f16) before attending to it, so a
+    float32 difference upstream can flip one f16 rounding of the current token's K, which moves
+    logits by up to ~5e-4 (the bound of the f16-plane tests above, 2e-3); in the typical step no
+    rounding flips and the two agree to float32 rounding."""
+    model = load_model(tiny(arch), "pinned")
+    if not model.route.fast_decode(model.cfg):
+        pytest.skip(f"{arch} has no fast decode path (attention soft-cap)")
+    cache = model.make_cache()
+    model(mx.array([TOKENS[:12]]), cache)
+    worst = []
+    for t in TOKENS[12:]:
+        ref = _copy(cache)
+        before = [np.array(c.kv) for c in cache]
+        assert model.uses_decode_path(mx.array([[t]]), cache)
+        fast = np.array(model(mx.array([[t]]), cache)[0, -1])
+        general = np.array(_general_step(model, t, ref)[0, -1])
+        worst.append(np.abs(fast - general).max())
+        for c, r, b in zip(cache, ref, before):
+            assert c.offset == r.offset
+            # both paths wrote the token's K and V into one slot, the same one, and nothing else
+            for planes in (c.kv, r.kv):
+                changed = np.nonzero((np.array(planes) != b).any(axis=(0, 1, 2, 4)))[0].tolist()
+                assert changed == [c.slot(c.offset - 1)]
+    assert max(worst) < 2e-3 and np.median(worst) < 1e-5, worst
+
+
+def _general_step(model, token, cache):
+    route_fast = model.route.fast_decode
+    model.route.fast_decode = lambda cfg: False
+    try:
+        return model(mx.array([[token]]), cache)
+    finally:
+        model.route.fast_decode = route_fast
 
 
 def test_sliding_cache_memory_is_bounded_over_long_decode(tiny):

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from muse_mlx import kernels as K
-from muse_mlx.kernels import ffn, fp, mul_mv, norm_tail, rms_norm
+from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm
 from muse_mlx.kernels.backend import Kernel, backend
 from muse_mlx.quantizers import quantize
 
@@ -244,6 +244,16 @@ def record_all_kernels():
     K.gelu_mul(x, x, which="record")
     K.ffn_q4k_gate_up_4r2s(x, q4, q4, "silu", which="record")
     K.ffn_q4k_gate_up_4r2s(x, q4, q4, "gelu_tanh", which="record")
+    K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K"), (q4, "q4_K")], which="record", geometry="4x2")
+    K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
+    K.mul_mv_glu(x, q6, q6, "q6_K", "gelu_tanh", which="record")
+    K.dequantize_rows(q4, "q4_K", which="record")
+    K.dequantize_rows(q6, "q6_K", which="record")
+    K.rms_norm_mul(x, mx.ones((3, 512)), which="record")
+    kv = mx.zeros((2, 2, 256, 128), dtype=mx.float16)
+    q = arr(8, 128)
+    K.kv_pack_f16(q[:2], q[2:4], which="record")
+    K.attn_decode(q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(256, 0), 0.1, q, which="record")
     calls = list(Kernel.recorded)
     assert {c["kernel"] for c in calls} == set(K.ALL_KERNELS)
     return calls

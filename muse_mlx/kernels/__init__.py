@@ -12,21 +12,28 @@ function                               reference
 ``tail_32sg(h, src, w1, w2, ..)``      seeds Ch 12 §12.4.3 legacy 32-SIMD-group tail
 ``mul_mv_q4_K(y, w)``                  llama.cpp ``kernel_mul_mv_q4_K_f32``
 ``mul_mv_q6_K(y, w)``                  llama.cpp ``kernel_mul_mv_q6_K_f32``
+``mul_mv_multi(y, [(w, kind), ..])``   the same rows for up to 4 matrices, one dispatch
+``mul_mv_glu(y, wg, wu, kind, act)``   gate + up matvecs and the activation, one dispatch
+``dequantize_rows(w, kind)``           raw rows -> float32, bit-equal to gguf-py
+``attn_decode(q, kv, pos, geom, ..)``  one token's GQA attention + output gate (not pinned)
+``kv_pack_f16(k, v)``                  the token's K and V rounded to f16, side by side
 ``silu_mul(g, u)`` / ``gelu_mul``      seeds Ch 18 ``muser_silu_mul_inplace`` / ggml geglu
 ``ffn_q4k_gate_up_4r2s(x, wg, wu)``    seeds Ch 18 §18.5 ``ffn_q4k_gate_up_silu_4r2s``
 =====================================  ====================================================
 """
 
-from . import ffn, mul_mv, norm_tail, rms_norm
+from . import attention, ffn, mul_mv, norm_tail, rms_norm
+from .attention import attn_decode, kv_pack_f16
 from .backend import backend
 from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
-from .mul_mv import mul_mv_q4_K, mul_mv_q6_K
+from .mul_mv import dequantize_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K
 from .norm_tail import tail_32sg, tail_dual_eps
 from .rms_norm import GEOMETRIES, norm_threads, rms_norm_batch, rms_norm_f16, rms_norm_mul
 
-ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS
+ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS + attention.KERNELS
 
 __all__ = [
+    "attn_decode", "kv_pack_f16", "dequantize_rows", "mul_mv_glu", "mul_mv_multi",
     "backend", "ffn_q4k_gate_up_4r2s", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
     "tail_32sg", "tail_dual_eps", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
     "rms_norm_mul", "ALL_KERNELS",

@@ -30,9 +30,15 @@ _ADDRESS_SPACE = re.compile(r"\b(device|thread|threadgroup|constant)\b(?=\s)")
 _CUDA_SPELLING = {"device": "", "thread": "", "threadgroup": "__shared__", "constant": "constexpr"}
 
 
+_LINE_COMMENT = re.compile(r"[ \t]*//[^\n]*")
+
+
 def to_cuda(metal_text: str) -> str:
-    """The one textual change CUDA needs: Metal's address-space qualifiers."""
-    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], metal_text)
+    """The one textual change CUDA needs: Metal's address-space qualifiers.
+
+    Comments are dropped too: MLX hashes a kernel's whole source on every launch, so the text
+    NVRTC sees is kept short (the .metal files keep them for readers)."""
+    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], _LINE_COMMENT.sub("", metal_text))
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +54,7 @@ def sections(family: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def cuda_prelude() -> str:
-    return (HERE / "prelude.cuh").read_text()
+    return _LINE_COMMENT.sub("", (HERE / "prelude.cuh").read_text())
 
 
 def backend() -> str:
@@ -80,10 +86,12 @@ class Kernel:
 
     recorded: list[dict] = []
 
-    def __init__(self, family: str | None, name: str, inputs: list[str], outputs: list[str], body: str | None = None):
+    def __init__(self, family: str | None, name: str, inputs: list[str], outputs: list[str], body: str | None = None,
+                 uses: tuple[str, ...] = ()):
         self.family, self.name = family, name
         self.inputs, self.outputs = inputs, outputs
         self._body = body  # a body given inline (the GPU check's probes) instead of a .metal section
+        self.uses = uses  # other families whose header helpers the body calls
         self._built = {}
 
     @property
@@ -92,7 +100,8 @@ class Kernel:
 
     @property
     def header(self) -> str:
-        return "" if self.family is None else sections(self.family).get("header", "")
+        families = self.uses + (() if self.family is None else (self.family,))
+        return "".join(sections(f).get("header", "") for f in families)
 
     def build(self, which: str):
         if which not in self._built:

@@ -1,150 +1,347 @@
-// Quantized matrix-vector products over raw GGUF blocks, with llama.cpp's geometry
+// Quantized matrix-vector products over raw GGUF blocks, with llama.cpp's lane arithmetic
 // (kernel_mul_mv_q4_K_f32 / kernel_mul_mv_q6_K_f32, ggml-metal mul_mv.metal), written from
-// llama-cpp-facts.md A.2/A.3. Geometry: 2 SIMD groups per threadgroup, 2 rows per SIMD
-// group (4 rows per threadgroup); one token per threadgroup column (grid z), so every token
-// gets batch-1 bits. Every multiply that feeds an add is an explicit fma(), in the shape a
-// fast-math compile of ggml's expressions contracts to, so no compiler is left a choice.
-// dst[t, r] = sum_k W[r, k] * y[t, k]; W is [ROWS, K] in blocks of 256.
+// llama-cpp-facts.md A.2/A.3. What fixes the bits: which lane reads which values of which
+// block, the order of every float operation inside a lane, and the xor-butterfly simd_sum
+// over the 32 lanes of one row. What does not: how many rows a SIMD group takes (NR0), how
+// many SIMD groups share a threadgroup (NSG), and how the bytes are loaded -- so those are
+// template arguments, ggml's geometry is NR0 = NSG = 2, and every geometry gives ggml's bits
+// (tested on the CPU emulator and on the GPU). Every multiply that feeds an add is an explicit
+// fma(), in the shape a fast-math compile of ggml's expressions contracts to.
+// dst[t, r] = sum_k W[r, k] * y[t, k]; W is [ROWS, K] in blocks of 256; one token per grid z.
 
-// ==== kernel: mul_mv_q4_K_f32
-// inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
-// grid (ceil(ROWS/4)*32, 2, T), threadgroup (32, 2, 1)
-    const uint tiisg = thread_position_in_threadgroup.x;
-    const uint sgitg = thread_position_in_threadgroup.y;
-    const uint r0 = threadgroup_position_in_grid.x;
-    const uint t = threadgroup_position_in_grid.z;
-    const uint nb = K / 256;
-    const uint row_bytes = nb * 144;
-    const uint first_row = (r0 * 2 + sgitg) * 2;
-    const ushort kmask1 = 0x3f3f, kmask2 = 0x0f0f, kmask3 = 0xc0c0;
+// ==== header
+// float(v) for an integer v < 2^23, without the integer-to-float unit (a quarter-rate unit on
+// NVIDIA): v in the mantissa of 2^23, minus 2^23. Both steps are exact, so the value is float(v).
+MUSE_FN float u2f(uint v) { return as_type<float>(0x4B000000u | v) - 8388608.0f; }
 
-    // lane = 8*ix + 4*iq + ir: ix picks the super-block phase, iq/ir the 32 values it reads
-    const uint ix = tiisg / 8;
-    const uint it = tiisg % 8;
-    const uint iq = it / 4;
-    const uint ir = it % 4;
+// One Q4_K block's contribution for lane (iq, ir), from its 16-byte header (d, dmin, 12 scale
+// bytes) and its two 8-byte quant runs, in ggml's order: nibbles stay in place (x1, x256, x16,
+// x4096) in four even/odd accumulators each, then d*(...) - dmin*(...).
+MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const float* yl,
+                        thread const float* yh, float4 sumy) {
+    const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
+    const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
+    // ggml reads the scale strip as ushorts sc[0], sc[2], sc[4] at bytes 4, 8, 12 (+ 2*iq)
+    const uint sh = 16u * iq;
+    const uint s0 = (hd.y >> sh) & 0xFFFFu;
+    const uint s2 = (hd.z >> sh) & 0xFFFFu;
+    const uint s4 = (hd.w >> sh) & 0xFFFFu;
+    const uint c0 = s0 & 0x3f3fu;                                    // scales of sub-blocks 2iq, 2iq+1
+    const uint c1 = s2 & 0x3f3fu;                                    // their mins
+    const uint c2 = (s4 & 0x0f0fu) | ((s0 & 0xc0c0u) >> 2);          // scales of 2iq+4, 2iq+5
+    const uint c3 = ((s4 >> 4) & 0x0f0fu) | ((s2 & 0xc0c0u) >> 2);   // their mins
 
-    float yl[16];
-    float yh[16];
-    float sumf[2] = {0.0f, 0.0f};
-    device const float* y4 = y + t * K + ix * 256 + 64 * iq + 8 * ir;
+    float4 acc1 = {0.0f, 0.0f, 0.0f, 0.0f};
+    float4 acc2 = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint i = 0; i < 4; ++i) {
+        // ggml's ushort q1[i] is half i&1 of word i/2 of the 8-byte run
+        const uint w1 = (i < 2 ? qa.x : qa.y) >> (16u * (i & 1u));
+        const uint w2 = (i < 2 ? qb.x : qb.y) >> (16u * (i & 1u));
+        acc1[0] = fma(yl[2 * i + 0], u2f(w1 & 0x000Fu), acc1[0]);
+        acc1[1] = fma(yl[2 * i + 1], u2f(w1 & 0x0F00u), acc1[1]);
+        acc1[2] = fma(yl[2 * i + 8], u2f(w1 & 0x00F0u), acc1[2]);
+        acc1[3] = fma(yl[2 * i + 9], u2f(w1 & 0xF000u), acc1[3]);
+        acc2[0] = fma(yh[2 * i + 0], u2f(w2 & 0x000Fu), acc2[0]);
+        acc2[1] = fma(yh[2 * i + 1], u2f(w2 & 0x0F00u), acc2[1]);
+        acc2[2] = fma(yh[2 * i + 8], u2f(w2 & 0x00F0u), acc2[2]);
+        acc2[3] = fma(yh[2 * i + 9], u2f(w2 & 0xF000u), acc2[3]);
+    }
+    // d*((A0+A1)*s0 + (A2+A3)*s1/16 + (B0+B1)*s4 + (B2+B3)*s5/16) - dmin*(Y0*m0 + ...)
+    const float a0 = fma(1.0f / 256.0f, acc1[1], acc1[0]);
+    const float a1 = fma(1.0f / 256.0f, acc1[3], acc1[2]);
+    const float b0 = fma(1.0f / 256.0f, acc2[1], acc2[0]);
+    const float b1 = fma(1.0f / 256.0f, acc2[3], acc2[2]);
+    float scaled = (a1 * u2f(c0 >> 8)) * (1.0f / 16.0f);
+    scaled = fma(a0, u2f(c0 & 0xFFu), scaled);
+    scaled = fma(b0, u2f(c2 & 0xFFu), scaled);
+    scaled = fma(b1 * u2f(c2 >> 8), 1.0f / 16.0f, scaled);
+    float mins = sumy[1] * u2f(c1 >> 8);
+    mins = fma(sumy[0], u2f(c1 & 0xFFu), mins);
+    mins = fma(sumy[2], u2f(c3 & 0xFFu), mins);
+    mins = fma(sumy[3], u2f(c3 >> 8), mins);
+    return fma(d, scaled, -(dmin * mins));
+}
 
+// Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
+// against one activation row y: the lane's values of y are loaded once per block and shared by
+// every row, and every row's weight loads are issued before any of them is used. Rows past the
+// end read the last row again (their sums are discarded by the caller).
+template <int NA, int NB>
+MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
+                           uint row_bytes, uint nb, device const float* y, uint tiisg,
+                           thread float* sumf) {
+    const uint ix = tiisg / 8;   // lane = 8*ix + 4*iq + ir
+    const uint iq = (tiisg % 8) / 4;
+    const uint ir = tiisg % 4;
+    const uint qoff = 16u + 32u * iq + 8u * ir;
+    device const float4* y4 = (device const float4*)(y + ix * 256 + 64 * iq + 8 * ir);
+    for (int r = 0; r < NA + NB; ++r) sumf[r] = 0.0f;
     for (uint ib = ix; ib < nb; ib += 4) {
+        uint4 hd[NA + NB];
+        uint2 qa[NA + NB];
+        uint2 qb[NA + NB];
+        for (int r = 0; r < NA + NB; ++r) {
+            device const uchar* blk = (r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes
+                                              : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes)
+                                      + (ulong)ib * 144u;
+            hd[r] = *(device const uint4*)blk;
+            qa[r] = *(device const uint2*)(blk + qoff);
+            qb[r] = *(device const uint2*)(blk + qoff + 64u);
+        }
+        // yl = values 64iq+8ir+{0..7} and +32; yh = the same +128; sumy[k] sums each run of 8
+        float yl[16];
+        float yh[16];
+        const float4 v0 = y4[0], v1 = y4[1], v2 = y4[8], v3 = y4[9];
+        const float4 v4 = y4[32], v5 = y4[33], v6 = y4[40], v7 = y4[41];
+        for (int j = 0; j < 4; ++j) {
+            yl[j] = v0[j]; yl[j + 4] = v1[j]; yl[j + 8] = v2[j]; yl[j + 12] = v3[j];
+            yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
+        }
         float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (uint i = 0; i < 8; ++i) {
-            yl[i + 0] = y4[i + 0];   sumy[0] += yl[i + 0];
-            yl[i + 8] = y4[i + 32];  sumy[1] += yl[i + 8];
-            yh[i + 0] = y4[i + 128]; sumy[2] += yh[i + 0];
-            yh[i + 8] = y4[i + 160]; sumy[3] += yh[i + 8];
+        for (int j = 0; j < 8; ++j) {
+            sumy[0] += yl[j];
+            sumy[1] += yl[j + 8];
+            sumy[2] += yh[j];
+            sumy[3] += yh[j + 8];
         }
-        for (uint row = 0; row < 2; ++row) {
-            if (first_row + row >= ROWS) break;
-            device const uchar* blk = w + (ulong)(first_row + row) * row_bytes + ib * 144;
-            const float d = float(*(device const half*)(blk + 0));
-            const float dmin = float(*(device const half*)(blk + 2));
-            device const ushort* sc = (device const ushort*)(blk + 4) + iq;
-            ushort sc16[4];
-            sc16[0] = sc[0] & kmask1;
-            sc16[1] = sc[2] & kmask1;
-            sc16[2] = ((sc[4] >> 0) & kmask2) | ((sc[0] & kmask3) >> 2);
-            sc16[3] = ((sc[4] >> 4) & kmask2) | ((sc[2] & kmask3) >> 2);
-            thread const uchar* sc8 = (thread const uchar*)sc16;
-            device const ushort* q1 = (device const ushort*)(blk + 16) + 16 * iq + 4 * ir;
-            device const ushort* q2 = q1 + 32;
-
-            // nibbles stay in place (x1, x256, x16, x4096): the power-of-two factors are undone
-            // below exactly, so each lane keeps even and odd values in separate sums
-            float4 acc1 = {0.0f, 0.0f, 0.0f, 0.0f};
-            float4 acc2 = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (uint i = 0; i < 4; ++i) {
-                acc1[0] = fma(yl[2 * i + 0], float(q1[i] & 0x000F), acc1[0]);
-                acc1[1] = fma(yl[2 * i + 1], float(q1[i] & 0x0F00), acc1[1]);
-                acc1[2] = fma(yl[2 * i + 8], float(q1[i] & 0x00F0), acc1[2]);
-                acc1[3] = fma(yl[2 * i + 9], float(q1[i] & 0xF000), acc1[3]);
-                acc2[0] = fma(yh[2 * i + 0], float(q2[i] & 0x000F), acc2[0]);
-                acc2[1] = fma(yh[2 * i + 1], float(q2[i] & 0x0F00), acc2[1]);
-                acc2[2] = fma(yh[2 * i + 8], float(q2[i] & 0x00F0), acc2[2]);
-                acc2[3] = fma(yh[2 * i + 9], float(q2[i] & 0xF000), acc2[3]);
-            }
-            // d*((A0+A1)*s0 + (A2+A3)*s1/16 + (B0+B1)*s4 + (B2+B3)*s5/16) - dmin*(Y0*m0 + ...)
-            const float a0 = fma(1.0f / 256.0f, acc1[1], acc1[0]);
-            const float a1 = fma(1.0f / 256.0f, acc1[3], acc1[2]);
-            const float b0 = fma(1.0f / 256.0f, acc2[1], acc2[0]);
-            const float b1 = fma(1.0f / 256.0f, acc2[3], acc2[2]);
-            float scaled = (a1 * float(sc8[1])) * (1.0f / 16.0f);
-            scaled = fma(a0, float(sc8[0]), scaled);
-            scaled = fma(b0, float(sc8[4]), scaled);
-            scaled = fma(b1 * float(sc8[5]), 1.0f / 16.0f, scaled);
-            float mins = sumy[1] * float(sc8[3]);
-            mins = fma(sumy[0], float(sc8[2]), mins);
-            mins = fma(sumy[2], float(sc8[6]), mins);
-            mins = fma(sumy[3], float(sc8[7]), mins);
-            sumf[row] += fma(d, scaled, -(dmin * mins));
-        }
-        y4 += 4 * 256;
+        for (int r = 0; r < NA + NB; ++r) sumf[r] += q4K_block(hd[r], qa[r], qb[r], iq, yl, yh, sumy);
+        y4 += 256;  // 4 blocks of 256 values
     }
-    for (uint row = 0; row < 2; ++row) {
-        const float total = simd_sum(sumf[row]);
-        if (tiisg == 0 && first_row + row < ROWS) dst[t * ROWS + first_row + row] = total;
-    }
+}
 
-// ==== kernel: mul_mv_q6_K_f32
-// inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
-// grid (ceil(ROWS/4)*32, 2, T), threadgroup (32, 2, 1)
-    const uint tiisg = thread_position_in_threadgroup.x;
-    const uint sgitg = thread_position_in_threadgroup.y;
-    const uint r0 = threadgroup_position_in_grid.x;
-    const uint t = threadgroup_position_in_grid.z;
-    const uint nb = K / 256;
-    const uint row_bytes = nb * 210;
-    const uint first_row = (r0 * 2 + sgitg) * 2;
+// Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
+// walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
+// Blocks are 2-byte aligned, so quants are read as ushorts.
+MUSE_FN uint load_u32_from_u16(device const uchar* p) {
+    device const ushort* s = (device const ushort*)p;
+    return uint(s[0]) | (uint(s[1]) << 16);
+}
 
-    // lane = 2*tid + ix: ix picks even/odd super-blocks; tid = 8*ip + il the 16 values read
+template <int NA, int NB>
+MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
+                           uint row_bytes, uint nb, device const float* y, uint tiisg,
+                           thread float* sumf) {
     const uint tid = tiisg / 2;
     const uint ix = tiisg % 2;
     const uint ip = tid / 8;
     const uint il = tid % 8;
     const uint l0 = 4 * il;
     const uint is = 8 * ip + l0 / 16;
-    const uint y_offset = 128 * ip + l0;
     const uint q_offset_l = 64 * ip + l0;
-    const uint q_offset_h = 32 * ip + l0;
-
-    float yl[16];
-    float sumf[2] = {0.0f, 0.0f};
+    const uint q_offset_h = 128 + 32 * ip + l0;
+    for (int r = 0; r < NA + NB; ++r) sumf[r] = 0.0f;
     for (uint i = ix; i < nb; i += 2) {
-        device const float* yy = y + t * K + i * 256 + y_offset;
-        for (uint l = 0; l < 4; ++l) {
-            yl[4 * l + 0] = yy[l + 0];
-            yl[4 * l + 1] = yy[l + 32];
-            yl[4 * l + 2] = yy[l + 64];
-            yl[4 * l + 3] = yy[l + 96];
+        uint ql1[NA + NB];
+        uint ql2[NA + NB];
+        uint qh[NA + NB];
+        uint sc[NA + NB];
+        float d[NA + NB];
+        for (int r = 0; r < NA + NB; ++r) {
+            device const uchar* blk = (r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes
+                                              : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes)
+                                      + (ulong)i * 210u;
+            ql1[r] = load_u32_from_u16(blk + q_offset_l);
+            ql2[r] = load_u32_from_u16(blk + q_offset_l + 32);
+            qh[r] = load_u32_from_u16(blk + q_offset_h);
+            // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
+            sc[r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
+                    | (uint(blk[198 + is]) << 24);
+            d[r] = float(*(device const half*)(blk + 208));
         }
-        for (uint row = 0; row < 2; ++row) {
-            if (first_row + row >= ROWS) break;
-            device const uchar* blk = w + (ulong)(first_row + row) * row_bytes + i * 210;
-            device const uchar* q1 = blk + q_offset_l;
-            device const uchar* q2 = q1 + 32;
-            device const uchar* qh = blk + 128 + q_offset_h;
-            device const int8_t* sc = (device const int8_t*)(blk + 192) + is;
-            const float d = float(*(device const half*)(blk + 208));
-
+        // yl[4l + k] = y[l + 32k] (ggml's order); each run of four is one 16-byte load
+        device const float4* yy = (device const float4*)(y + i * 256 + 128 * ip + l0);
+        float yl[16];
+        for (int k = 0; k < 4; ++k) {
+            const float4 v = yy[8 * k];
+            for (int l = 0; l < 4; ++l) yl[4 * l + k] = v[l];
+        }
+        for (int r = 0; r < NA + NB; ++r) {
             float4 sums = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (uint l = 0; l < 4; ++l) {
-                sums[0] = fma(yl[4 * l + 0], float(int((q1[l] & 0xF) | ((qh[l] & 0x03) << 4)) - 32), sums[0]);
-                sums[1] = fma(yl[4 * l + 1], float(int((q2[l] & 0xF) | ((qh[l] & 0x0C) << 2)) - 32), sums[1]);
-                sums[2] = fma(yl[4 * l + 2], float(int((q1[l] >> 4) | ((qh[l] & 0x30) << 0)) - 32), sums[2]);
-                sums[3] = fma(yl[4 * l + 3], float(int((q2[l] >> 4) | ((qh[l] & 0xC0) >> 2)) - 32), sums[3]);
+            for (int l = 0; l < 4; ++l) {
+                const uint b1 = (ql1[r] >> (8 * l)) & 0xFFu;
+                const uint b2 = (ql2[r] >> (8 * l)) & 0xFFu;
+                const uint h = (qh[r] >> (8 * l)) & 0xFFu;
+                // (6-bit code) - 32, exactly: the code in the mantissa of 2^23, minus 2^23 + 32
+                sums[0] = fma(yl[4 * l + 0], as_type<float>(0x4B000000u | (b1 & 0xFu) | ((h & 0x03u) << 4)) - 8388640.0f, sums[0]);
+                sums[1] = fma(yl[4 * l + 1], as_type<float>(0x4B000000u | (b2 & 0xFu) | ((h & 0x0Cu) << 2)) - 8388640.0f, sums[1]);
+                sums[2] = fma(yl[4 * l + 2], as_type<float>(0x4B000000u | (b1 >> 4) | (h & 0x30u)) - 8388640.0f, sums[2]);
+                sums[3] = fma(yl[4 * l + 3], as_type<float>(0x4B000000u | (b2 >> 4) | ((h & 0xC0u) >> 2)) - 8388640.0f, sums[3]);
             }
-            // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6])
-            float scaled = sums[1] * float(sc[2]);
-            scaled = fma(sums[0], float(sc[0]), scaled);
-            scaled = fma(sums[2], float(sc[4]), scaled);
-            scaled = fma(sums[3], float(sc[6]), scaled);
-            sumf[row] = fma(d, scaled, sumf[row]);
+            // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6]), the int8 scales exact in float
+            const float s0 = float(int(as_type<char4>(sc[r]).x));
+            const float s2 = float(int(as_type<char4>(sc[r]).y));
+            const float s4 = float(int(as_type<char4>(sc[r]).z));
+            const float s6 = float(int(as_type<char4>(sc[r]).w));
+            float scaled = sums[1] * s2;
+            scaled = fma(sums[0], s0, scaled);
+            scaled = fma(sums[2], s4, scaled);
+            scaled = fma(sums[3], s6, scaled);
+            sumf[r] = fma(d[r], scaled, sumf[r]);
         }
     }
-    for (uint row = 0; row < 2; ++row) {
-        const float total = simd_sum(sumf[row]);
-        if (tiisg == 0 && first_row + row < ROWS) dst[t * ROWS + first_row + row] = total;
+}
+
+// The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K).
+template <int TYPE, int NR0>
+MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
+                      device const float* y, uint tiisg, thread float* sumf) {
+    const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
+    device const uchar* a = w + (ulong)first_row * row_bytes;
+    if (TYPE == 0) {
+        q4K_lane_sums<NR0, 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+    } else {
+        q6K_lane_sums<NR0, 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+    }
+}
+
+// ==== kernel: mul_mv_q4_K_f32
+// inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
+// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2
+    const uint tiisg = thread_position_in_threadgroup.x;
+    const uint sgitg = thread_position_in_threadgroup.y;
+    const uint t = threadgroup_position_in_grid.z;
+    const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
+    if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
+    float sumf[NR0];
+    row_sums<0, NR0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    for (int r = 0; r < NR0; ++r) {
+        const float total = simd_sum(sumf[r]);
+        if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
+    }
+
+// ==== kernel: mul_mv_q6_K_f32
+// inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
+// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2
+    const uint tiisg = thread_position_in_threadgroup.x;
+    const uint sgitg = thread_position_in_threadgroup.y;
+    const uint t = threadgroup_position_in_grid.z;
+    const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
+    if (first_row >= ROWS) return;
+    float sumf[NR0];
+    row_sums<1, NR0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    for (int r = 0; r < NR0; ++r) {
+        const float total = simd_sum(sumf[r]);
+        if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
+    }
+
+// ==== kernel: mul_mv_multi_f32
+// Up to four matrices that read the same activations (q, k, v and the attention gate), in one
+// dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
+// kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
+// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG.
+// inputs: w0..w3 (absent ones: any array), y [T, K]; outputs: dst [T, R0+R1+R2+R3]
+// grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
+    const uint tiisg = thread_position_in_threadgroup.x;
+    const uint sgitg = thread_position_in_threadgroup.y;
+    const uint t = threadgroup_position_in_grid.z;
+    const uint per_tg = NR0 * NSG;
+    const uint g0 = (R0 + per_tg - 1) / per_tg;
+    const uint g1 = (R1 + per_tg - 1) / per_tg;
+    const uint g2 = (R2 + per_tg - 1) / per_tg;
+    uint tg = threadgroup_position_in_grid.x;
+    device const uchar* w = w0;
+    uint rows = R0, out0 = 0, type = Y0;
+    if (tg >= g0 + g1 + g2) {
+        tg -= g0 + g1 + g2; w = w3; rows = R3; out0 = R0 + R1 + R2; type = Y3;
+    } else if (tg >= g0 + g1) {
+        tg -= g0 + g1; w = w2; rows = R2; out0 = R0 + R1; type = Y2;
+    } else if (tg >= g0) {
+        tg -= g0; w = w1; rows = R1; out0 = R0; type = Y1;
+    }
+    const uint first_row = (tg * NSG + sgitg) * NR0;
+    if (first_row >= rows) return;
+    float sumf[NR0];
+    device const float* yt = y + (ulong)t * K;
+    if (type == 0) {
+        row_sums<0, NR0>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+    } else {
+        row_sums<1, NR0>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+    }
+    const uint total_rows = R0 + R1 + R2 + R3;
+    for (int r = 0; r < NR0; ++r) {
+        const float total = simd_sum(sumf[r]);
+        if (tiisg == 0 && first_row + r < rows) dst[(ulong)t * total_rows + out0 + first_row + r] = total;
+    }
+
+// ==== kernel: mul_mv_glu_f32
+// The FFN's first half in one dispatch with the unfused kernels' bits: each SIMD group computes
+// NR0 rows of the gate matrix and the same NR0 rows of the up matrix exactly as mul_mv does
+// (sharing the activation loads), then writes apply_activation<ACT>(gate, up) -- the formula of
+// silu_mul_inplace / gelu_mul_inplace. TYPE 0 Q4_K, 1 Q6_K (both matrices the same type).
+// inputs: wg, wu [ROWS, K/256*bytes] (uint8), y [T, K]; outputs: dst [T, ROWS]
+// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
+    const uint tiisg = thread_position_in_threadgroup.x;
+    const uint sgitg = thread_position_in_threadgroup.y;
+    const uint t = threadgroup_position_in_grid.z;
+    const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
+    if (first_row >= ROWS) return;
+    const uint nb = K / 256;
+    const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
+    device const uchar* g = wg + (ulong)first_row * row_bytes;
+    device const uchar* u = wu + (ulong)first_row * row_bytes;
+    device const float* yt = y + (ulong)t * K;
+    float sumf[2 * NR0];
+    if (TYPE == 0) {
+        q4K_lane_sums<NR0, NR0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+    } else {
+        q6K_lane_sums<NR0, NR0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+    }
+    for (int r = 0; r < NR0; ++r) {
+        const float gate = simd_sum(sumf[r]);
+        const float up = simd_sum(sumf[NR0 + r]);
+        if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = apply_activation<ACT>(gate, up);
+    }
+
+// ==== kernel: dequant_q4_K_f32
+// Raw Q4_K rows -> float32, bit-equal to gguf-py: (d*sc)*q - dmin*m, where both products are
+// exact (11-bit d times a 6-bit scale times a 4-bit code), so a contracted fma gives the same
+// bits. One thread per 32-value sub-block. For the batched prefill's matmul.
+// inputs: w [n_blocks * 144] (uint8), count [1] (sub-blocks); outputs: out [n_blocks * 256]
+    const uint s = thread_position_in_grid.x;
+    if (s >= count[0]) return;
+    const uint blk_i = s / 8;
+    const uint j = s % 8;
+    device const uchar* blk = w + (ulong)blk_i * 144u;
+    const float d = float(*(device const half*)(blk + 0));
+    const float dmin = float(*(device const half*)(blk + 2));
+    device const uchar* q = blk + 4;  // the 12-byte scale strip (ggml's get_scale_min_k4)
+    uint sc, m;
+    if (j < 4) {
+        sc = q[j] & 63u;
+        m = q[j + 4] & 63u;
+    } else {
+        sc = (q[j + 4] & 0xFu) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+    const float scale = d * float(sc);
+    const float mn = dmin * float(m);
+    // sub-block j: bytes 32*(j/2) .. +31 of qs, low nibbles for even j, high for odd
+    device const uchar* qs = blk + 16 + 32 * (j / 2);
+    device float* o = out + (ulong)blk_i * 256u + 32u * j;
+    for (uint l = 0; l < 32; ++l) {
+        const uint code = (j % 2 == 0) ? (qs[l] & 0xFu) : (qs[l] >> 4);
+        o[l] = scale * float(code) - mn;
+    }
+
+// ==== kernel: dequant_q6_K_f32
+// Raw Q6_K rows -> float32, bit-equal to gguf-py: (d*sc)*(q - 32), d*sc exact, one rounding.
+// One thread per 16-value group (one int8 scale).
+// inputs: w [n_blocks * 210] (uint8), count [1] (groups); outputs: out [n_blocks * 256]
+    const uint s = thread_position_in_grid.x;
+    if (s >= count[0]) return;
+    const uint blk_i = s / 16;
+    const uint g = s % 16;  // values 16g .. 16g+15
+    device const uchar* blk = w + (ulong)blk_i * 210u;
+    const float d = float(*(device const half*)(blk + 208));
+    const float scale = d * float(int(as_type<char>(blk[192 + g])));
+    // value v = 128*h + 32*k + l (h half, k quarter, l 0..31): ql byte 64h + l (+32 for k odd),
+    // low nibble for k < 2, high for k >= 2; qh byte 32h + l, bits 2k..2k+1
+    device float* o = out + (ulong)blk_i * 256u + 16u * g;
+    for (uint e = 0; e < 16; ++e) {
+        const uint v = 16 * g + e;
+        const uint h = v / 128, k = (v % 128) / 32, l = v % 32;
+        const uint lb = blk[64 * h + l + 32 * (k % 2)];
+        const uint low = (k < 2) ? (lb & 0xFu) : (lb >> 4);
+        const uint high = (blk[128 + 32 * h + l] >> (2 * k)) & 3u;
+        o[e] = scale * float(int(low | (high << 4)) - 32);
     }

@@ -8,6 +8,8 @@ order (all lanes and rows at once, as arrays), then the SIMD butterfly.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from . import fp
@@ -151,34 +153,145 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
         return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
 
 
+# Matvec geometries: rows per SIMD group (NR0) and SIMD groups per threadgroup (NSG). They
+# decide occupancy and load sharing, never bits (each row is one SIMD group's butterfly over
+# lanes whose sums do not depend on them). "ggml" is llama.cpp's; "tuned" is the one the
+# engine launches, per backend (measured: docs/performance.md).
+MV_GEOMETRIES = {"ggml": (2, 2), "tuned": {"cuda": (2, 4), "metal": (2, 2)}}
+
+
+def mv_geometry(geometry: str, which: str) -> tuple[int, int]:
+    """``(NR0, NSG)`` of a named geometry or of ``"NR0xNSG"``; ``MUSE_MLX_MV_GEOMETRY`` overrides "tuned"."""
+    if "x" in geometry:
+        nr0, nsg = (int(v) for v in geometry.split("x"))
+        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32):
+            raise ValueError(f"matvec geometry {geometry!r}: NR0 must be 1..8 and NSG 1..32")
+        return nr0, nsg
+    if geometry not in MV_GEOMETRIES:
+        raise ValueError(f"unknown matvec geometry {geometry!r} (choose from {', '.join(MV_GEOMETRIES)})")
+    g = MV_GEOMETRIES[geometry]
+    if geometry == "tuned":
+        env = os.environ.get("MUSE_MLX_MV_GEOMETRY")
+        if env:
+            return mv_geometry(env.lower(), which)
+        return g.get(which, (2, 2))
+    return g
+
+
 _Q4_K = Kernel("mul_mv", "mul_mv_q4_K_f32", ["w", "y"], ["dst"])
 _Q6_K = Kernel("mul_mv", "mul_mv_q6_K_f32", ["w", "y"], ["dst"])
-KERNELS = (_Q4_K, _Q6_K)
+_MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y"], ["dst"])
+_GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y"], ["dst"], uses=("ffn",))
+_DEQ_Q4_K = Kernel("mul_mv", "dequant_q4_K_f32", ["w", "count"], ["out"])
+_DEQ_Q6_K = Kernel("mul_mv", "dequant_q6_K_f32", ["w", "count"], ["out"])
+KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, _DEQ_Q4_K, _DEQ_Q6_K)
+BLOCK_BYTES = {"q4_K": 144, "q6_K": 210}
+TYPE_CODE = {"q4_K": 0, "q6_K": 1}
 
 
-def _launch(kernel, y, w, block_bytes, which):
+def _k_of(w: mx.array, kind: str) -> int:
+    return w.shape[1] // BLOCK_BYTES[kind] * 256
+
+
+def _launch(kernel, y, w, block_bytes, which, geometry):
     R = w.shape[0]
     K = w.shape[1] // block_bytes * 256
     y2 = _flat(y, K)
     T = y2.shape[0]
+    nr0, nsg = mv_geometry(geometry, which)
     (dst,) = kernel(
-        [w, y2], [(T, R)], [F32], grid=(-(-R // 4) * 32, 2, T), threadgroup=(32, 2, 1),
-        template=[("K", K), ("ROWS", R)], which=which,
+        [w, y2], [(T, R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
+        template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg)], which=which,
     )
     return dst.reshape(*y.shape[:-1], R)
 
 
-def mul_mv_q4_K(y, w, which=None) -> mx.array:
-    """``y @ W.T`` for raw Q4_K rows ``w`` -- llama.cpp's kernel_mul_mv_q4_K_f32 geometry."""
+def mul_mv_q4_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
+    """``y @ W.T`` for raw Q4_K rows ``w`` -- llama.cpp's kernel_mul_mv_q4_K_f32 arithmetic."""
     which = which or backend()
     if which == "cpu":
         return mul_mv_q4_K_oracle(y, w)
-    return _launch(_Q4_K, y, w, 144, which)
+    return _launch(_Q4_K, y, w, 144, which, geometry)
 
 
-def mul_mv_q6_K(y, w, which=None) -> mx.array:
-    """``y @ W.T`` for raw Q6_K rows ``w`` -- llama.cpp's kernel_mul_mv_q6_K_f32 geometry."""
+def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
+    """``y @ W.T`` for raw Q6_K rows ``w`` -- llama.cpp's kernel_mul_mv_q6_K_f32 arithmetic."""
     which = which or backend()
     if which == "cpu":
         return mul_mv_q6_K_oracle(y, w)
-    return _launch(_Q6_K, y, w, 210, which)
+    return _launch(_Q6_K, y, w, 210, which, geometry)
+
+
+ORACLES = {"q4_K": mul_mv_q4_K_oracle, "q6_K": mul_mv_q6_K_oracle}
+
+
+def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
+    """``concat([y @ W.T for W in weights], -1)`` in one dispatch; ``weights`` = [(raw rows, "q4_K"|"q6_K")].
+
+    Up to four matrices with the same input width; every row gets exactly the single kernels' bits."""
+    if not 1 <= len(weights) <= 4:
+        raise ValueError(f"mul_mv_multi takes 1 to 4 matrices, got {len(weights)}")
+    K = _k_of(*weights[0])
+    for w, kind in weights:
+        if _k_of(w, kind) != K:
+            raise ValueError(f"mul_mv_multi: matrices read {K} and {_k_of(w, kind)} columns")
+    which = which or backend()
+    y2 = _flat(y, K)
+    if which == "cpu":
+        out = mx.concatenate([ORACLES[kind](y2, w) for w, kind in weights], axis=-1)
+        return out.reshape(*y.shape[:-1], out.shape[-1])
+    T = y2.shape[0]
+    nr0, nsg = mv_geometry(geometry, which)
+    per_tg = nr0 * nsg
+    mats = [w for w, _ in weights] + [weights[0][0]] * (4 - len(weights))  # absent slots: any array
+    rows = [w.shape[0] for w, _ in weights] + [0] * (4 - len(weights))
+    kinds = [k for _, k in weights] + ["q4_K"] * (4 - len(weights))
+    template = [("K", K), ("NR0", nr0), ("NSG", nsg)]
+    template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
+    groups = sum(-(-r // per_tg) for r in rows)
+    (dst,) = _MULTI(
+        mats + [y2], [(T, sum(rows))], [F32], grid=(groups * 32, nsg, T),
+        threadgroup=(32, nsg, 1), template=template, which=which,
+    )
+    return dst.reshape(*y.shape[:-1], sum(rows))
+
+
+def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None, geometry: str = "tuned") -> mx.array:
+    """``act(y @ Wg.T) * (y @ Wu.T)`` in one dispatch, with the unfused kernels' bits."""
+    from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
+
+    if w_gate.shape != w_up.shape:
+        raise ValueError(f"gate {w_gate.shape} and up {w_up.shape} rows differ")
+    which = which or backend()
+    K, R = _k_of(w_gate, kind), w_gate.shape[0]
+    if which == "cpu":
+        g, u = ORACLES[kind](y, w_gate), ORACLES[kind](y, w_up)
+        return silu_oracle(g, u) if activation == "silu" else gelu_oracle(g, u)
+    y2 = _flat(y, K)
+    T = y2.shape[0]
+    nr0, nsg = mv_geometry(geometry, which)
+    (dst,) = _GLU(
+        [w_gate, w_up, y2], [(T, R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
+        template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
+                  ("NR0", nr0), ("NSG", nsg)], which=which,
+    )
+    return dst.reshape(*y.shape[:-1], R)
+
+
+def dequantize_rows(w: mx.array, kind: str, which=None) -> mx.array:
+    """Raw Q4_K/Q6_K rows -> float32 ``[R, K]``, bit-equal to gguf-py (one dispatch on a GPU)."""
+    from ..quants import dequantize
+    from gguf import GGMLQuantizationType as T
+
+    which = which or backend()
+    if which == "cpu":
+        return dequantize(w, T.Q4_K if kind == "q4_K" else T.Q6_K)
+    R, K = w.shape[0], _k_of(w, kind)
+    per = 32 if kind == "q4_K" else 16  # values per thread
+    n = R * K // per
+    kernel = _DEQ_Q4_K if kind == "q4_K" else _DEQ_Q6_K
+    (out,) = kernel(
+        [w.reshape(-1), mx.array([n], dtype=mx.uint32)], [(R * K,)], [F32], grid=(n, 1, 1),
+        threadgroup=(min(256, n), 1, 1), template=None, which=which,
+    )
+    return out.reshape(R, K)

@@ -72,6 +72,20 @@ __device__ __forceinline__ float dot(float4 a, float4 b) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
 }
 
+// as_type<T>(u): Metal's bit-for-bit reinterpretation, for the pairs the bodies use.
+template <typename T, typename U> __device__ T as_type(U u);
+template <> __device__ __forceinline__ float as_type<float, uint>(uint u) { return __uint_as_float(u); }
+template <> __device__ __forceinline__ __half as_type<__half, ushort>(ushort u) { return __ushort_as_half(u); }
+template <> __device__ __forceinline__ char as_type<char, uchar>(uchar u) { return (char)(signed char)u; }
+template <> __device__ __forceinline__ char4 as_type<char4, uint>(uint u) {  // little-endian: x = byte 0
+  return make_char4((signed char)(u & 0xFFu), (signed char)((u >> 8) & 0xFFu),
+                    (signed char)((u >> 16) & 0xFFu), (signed char)(u >> 24));
+}
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 // rsqrt(float), sqrt, exp, fma: CUDA's own float overloads (rsqrt is approximate, like Metal's).
 namespace precise {
 __device__ __forceinline__ float tanh(float x) { return tanhf(x); }

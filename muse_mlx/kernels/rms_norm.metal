@@ -43,8 +43,9 @@
 // float4s; simd_sum; lane 0 of each SIMD group publishes to one of 32 zeroed slots; every
 // SIMD group simd_sums the 32 slots again; scale = 1.0f/sqrt(sum/N + eps).
 // MODE 1: y = x*scale; 2: y = (x*scale)*w; 3: y = (x*scale)*w + a (ggml's NORM_MUL_ADD,
-// written as the fma a fast-math compile contracts it to).
-// inputs: x [rows, N], w [N], a [rows, N], eps [1]; outputs: out [rows, N]
+// written as the fma a fast-math compile contracts it to). WROW 1: w holds one weight row per
+// row of x (the Q- and K-norms of a token in one dispatch; each row's bits as if alone).
+// inputs: x [rows, N], w [N] or [rows, N], a [rows, N], eps [1]; outputs: out [rows, N]
     const uint row = threadgroup_position_in_grid.x;
     const uint tid = thread_index_in_threadgroup;
     const uint sgitg = simdgroup_index_in_threadgroup;
@@ -54,7 +55,7 @@
     if (sgitg == 0) shmem[tiisg] = 0.0f;
 
     device const float4* x4 = (device const float4*)(x + row * N);
-    device const float4* w4 = (device const float4*)w;
+    device const float4* w4 = (device const float4*)(w + (WROW ? row * N : 0));
     device const float4* a4 = (device const float4*)(a + (MODE == 3 ? row * N : 0));
     device float4* y4 = (device float4*)(out + row * N);
 

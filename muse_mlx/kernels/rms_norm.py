@@ -78,10 +78,11 @@ def rms_norm_mul_oracle(x, w=None, eps=1e-5, add=None, nth=32) -> mx.array:
     with mx.stream(CPU):
         scale = ggml_scale(ggml_sum_of_squares(x2, nth), n, eps)[:, None]
         y = x2 * scale
+        w = None if w is None else w.astype(F32).reshape(-1, n)  # [1, N] or one row per row
         if w is not None and add is not None:
-            y = fp.fma(y, w.astype(F32), add.astype(F32).reshape(-1, n))
+            y = fp.fma(y, w, add.astype(F32).reshape(-1, n))
         elif w is not None:
-            y = y * w.astype(F32)
+            y = y * w
         return y.reshape(x.shape)
 
 
@@ -118,19 +119,23 @@ KERNELS = (_RMS_NORM_MUL, _RMS_NORM_BATCH, _RMS_NORM_F16, _MUL_F16)
 def rms_norm_mul(x, w=None, eps: float = 1e-5, add=None, geometry: str = "llama", which=None) -> mx.array:
     """llama.cpp's RMSNorm: ``x*scale`` (no ``w``), ``(x*scale)*w``, or ``(x*scale)*w + add``.
 
-    Rows are the last axis of ``x``; ``w`` is ``[N]``; ``add`` has ``x``'s shape.
+    Rows are the last axis of ``x``; ``w`` is ``[N]``, or ``[rows, N]`` for one weight per row
+    (every row's bits are the same as normalizing it alone); ``add`` has ``x``'s shape.
     """
     x2, n = _rows(x)
     nth = norm_threads(n, geometry)
+    rows = x2.shape[0]
+    per_row = w is not None and w.ndim == 2
+    if per_row and w.shape != (rows, n):
+        raise ValueError(f"per-row weights {w.shape} do not match {rows} rows of {n}")
     which = which or backend()
     if which == "cpu":
         return rms_norm_mul_oracle(x, w, eps, add, nth)
     mode = 1 if w is None else (3 if add is not None else 2)
-    rows = x2.shape[0]
     inputs = [x2, x2 if w is None else w.astype(F32), x2 if add is None else add.astype(F32).reshape(-1, n), _eps(eps)]
     (out,) = _RMS_NORM_MUL(
         inputs, [x2.shape], [F32], grid=(rows * nth, 1, 1), threadgroup=(nth, 1, 1),
-        template=[("N", n), ("NTH", nth), ("MODE", mode)], which=which,
+        template=[("N", n), ("NTH", nth), ("MODE", mode), ("WROW", int(per_row))], which=which,
     )
     return out.reshape(x.shape)
 

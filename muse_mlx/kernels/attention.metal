@@ -1,0 +1,125 @@
+// Decode attention over the f16 KV planes, for one new token: softmax(q K^T * scale) V per
+// query head, grouped-query (query head h reads KV head h / G), then the attention output gate.
+// Not a pinned kernel: llama.cpp's flash-attention kernels are not reproduced here. Its own
+// order is fixed and modelled by the oracle (muse_mlx/kernels/attention.py): scores as an fma
+// chain over the head dimension, a split-K softmax (each split: max, exp, sequential sum and
+// an fma chain over its keys), and a combine over splits in order.
+// The KV planes are one array kv [2, HKV, CAP, D] (K then V). Positions lo..pos are visible
+// (lo = pos - WINDOW + 1 on sliding layers); position p lives in slot p % CAP (a ring buffer
+// when CAP is the window, a plain buffer when CAP > pos).
+
+// ==== kernel: kv_pack_f16
+// The new token's K and V, rounded to f16 as llama.cpp stores them, side by side.
+// inputs: k, v [HKV*D] (float32), count [1]; outputs: kv [2, HKV*D] (float16)
+    const uint i = thread_position_in_grid.x;
+    const uint n = count[0];
+    if (i < n) {
+        kv[i] = half(k[i]);
+        kv[n + i] = half(v[i]);
+    }
+
+// ==== kernel: attn_decode_partial
+// One threadgroup per (split, KV head): the G query heads of that KV head against the split's
+// keys (at most CMAX of them). Writes the split's max score, sum of exp and unnormalized output.
+// inputs: q [HKV*G, D] (float32), kv [2, HKV, CAP, D] (float16), pos [1] (int32), geom [3]
+//         (int32: cap, window, splits), scale [1]
+// outputs: part_m, part_l [HKV, SPLITS, G], part_o [HKV, SPLITS, G, D]
+// grid (NT*SPLITS, HKV, 1), threadgroup (NT, 1, 1); templates G, D, NT, CMAX, HKV
+    const uint s = threadgroup_position_in_grid.x;
+    const uint kvh = threadgroup_position_in_grid.y;
+    const uint tid = thread_position_in_threadgroup.x;
+    const int p_new = pos[0];
+    const int cap = geom[0];
+    const int window = geom[1];
+    const int splits = geom[2];
+    const int lo = window > 0 ? max(0, p_new - window + 1) : 0;
+    const int n = p_new - lo + 1;
+    const int chunk = (n + splits - 1) / splits;
+    const int j0 = int(s) * chunk;
+    const int cnt = max(0, min(n, j0 + chunk) - j0);
+    const uint part = kvh * uint(splits) + s;  // row of the partial outputs
+
+    threadgroup float qs[G * D];
+    threadgroup float sc[G * CMAX];
+    threadgroup float mx[G];
+    if (cnt == 0) {
+        if (tid < G) {
+            part_m[part * G + tid] = -INFINITY;
+            part_l[part * G + tid] = 0.0f;
+        }
+        for (uint i = tid; i < G * D; i += NT) part_o[(ulong)part * G * D + i] = 0.0f;
+        return;
+    }
+    for (uint i = tid; i < G * D; i += NT) qs[i] = q[(ulong)kvh * G * D + i] * scale[0];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // scores: one thread per key, each head's dot an fma chain over d = 0, 1, ...
+    device const half* kplane = kv + (ulong)kvh * cap * D;
+    device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
+    for (int jj = int(tid); jj < cnt; jj += NT) {
+        const int slot = (lo + j0 + jj) % cap;
+        device const half* krow = kplane + (ulong)slot * D;
+        float acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+        for (int d = 0; d < D; d += 4) {
+            const float k0 = float(krow[d]), k1 = float(krow[d + 1]), k2 = float(krow[d + 2]), k3 = float(krow[d + 3]);
+            for (int g = 0; g < G; ++g) {
+                acc[g] = fma(qs[g * D + d + 0], k0, acc[g]);
+                acc[g] = fma(qs[g * D + d + 1], k1, acc[g]);
+                acc[g] = fma(qs[g * D + d + 2], k2, acc[g]);
+                acc[g] = fma(qs[g * D + d + 3], k3, acc[g]);
+            }
+        }
+        for (int g = 0; g < G; ++g) sc[g * CMAX + jj] = acc[g];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < G) {
+        float m = -INFINITY;
+        for (int jj = 0; jj < cnt; ++jj) m = max(m, sc[tid * CMAX + jj]);
+        mx[tid] = m;
+        part_m[part * G + tid] = m;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int i = int(tid); i < G * cnt; i += NT) {
+        const int g = i / cnt, jj = i % cnt;
+        sc[g * CMAX + jj] = exp(sc[g * CMAX + jj] - mx[g]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (tid < G) {
+        float l = 0.0f;
+        for (int jj = 0; jj < cnt; ++jj) l += sc[tid * CMAX + jj];
+        part_l[part * G + tid] = l;
+    }
+    // outputs: one thread per dimension, each head an fma chain over the split's keys in order
+    for (int d = int(tid); d < D; d += NT) {
+        float acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+        for (int jj = 0; jj < cnt; ++jj) {
+            const int slot = (lo + j0 + jj) % cap;
+            const float v = float(vplane[(ulong)slot * D + d]);
+            for (int g = 0; g < G; ++g) acc[g] = fma(sc[g * CMAX + jj], v, acc[g]);
+        }
+        for (int g = 0; g < G; ++g) part_o[((ulong)part * G + g) * D + d] = acc[g];
+    }
+
+// ==== kernel: attn_decode_combine
+// The splits of one query head combined in order: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
+// then (GATE) the attention output gate o * (1 / (1 + exp(-g))), as ggml_sigmoid then ggml_mul.
+// inputs: part_m, part_l, part_o (as written above), gate [HKV*G*D], geom [3]
+// outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE
+    const uint d = thread_position_in_threadgroup.x;
+    const uint h = threadgroup_position_in_grid.y;
+    const uint kvh = h / G, g = h % G;
+    const int splits = geom[2];
+    float m_all = -INFINITY;
+    for (int s = 0; s < splits; ++s) m_all = max(m_all, part_m[(kvh * splits + s) * G + g]);
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const uint p = (kvh * splits + s) * G + g;
+        const float w = exp(part_m[p] - m_all);
+        num = fma(w, part_o[(ulong)p * D + d], num);
+        den = fma(w, part_l[p], den);
+    }
+    float o = num / den;
+    if (GATE) o = o * (1.0f / (1.0f + exp(-gate[h * D + d])));
+    out[h * D + d] = o;

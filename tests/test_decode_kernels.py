@@ -1,0 +1,176 @@
+"""The decode kernels (one-dispatch projections, the fused GLU, the decode attention, the
+prefill dequantizer) against their oracles and independent references.
+
+Two kinds of test: the oracles (which the pinned route runs on a CPU) against float64 or
+against the single kernels they claim to equal; and the kernels' source text, run by the CPU
+emulator (tests/kernel_emulator.py), against the oracles bit for bit. On a GPU the same
+comparisons are made by scripts/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+
+from kernel_emulator import available, emulate_recorded
+from muse_mlx import kernels as K
+from muse_mlx.kernels import attention, ffn, mul_mv, rms_norm
+from muse_mlx.quantizers import quantize
+from test_kernel_emulator import assert_bits_equal, libm
+
+RNG = np.random.default_rng(23)
+F32 = np.float32
+emulator = pytest.mark.skipif(not available(), reason="needs g++ with C++20 (<barrier>) and _Float16")
+QTYPE = {"q4_K": T.Q4_K, "q6_K": T.Q6_K}
+
+
+def arr(*shape, scale=1.0):
+    v = RNG.standard_normal(shape) * RNG.uniform(0.1, 10.0, shape) * scale
+    return mx.array(v.astype(F32))
+
+
+def qrows(rows, k, kind):
+    return mx.array(quantize(RNG.standard_normal((rows, k)).astype(F32), QTYPE[kind]))
+
+
+# -- oracles ---------------------------------------------------------------------------------
+
+
+def test_multi_and_glu_oracles_are_the_single_kernels():
+    """What the one-dispatch kernels promise: the single kernels' bits, concatenated or activated."""
+    y = arr(2, 512)
+    a, b, c = qrows(37, 512, "q4_K"), qrows(8, 512, "q6_K"), qrows(16, 512, "q4_K")
+    multi = K.mul_mv_multi(y, [(a, "q4_K"), (b, "q6_K"), (c, "q4_K")])
+    single = np.concatenate([np.array(K.mul_mv_q4_K(y, a)), np.array(K.mul_mv_q6_K(y, b)),
+                             np.array(K.mul_mv_q4_K(y, c))], axis=-1)
+    assert_bits_equal(multi, single)
+    for kind, act, fn in (("q4_K", "silu", K.silu_mul), ("q6_K", "gelu_tanh", K.gelu_mul)):
+        g, u = qrows(21, 512, kind), qrows(21, 512, kind)
+        mv = K.mul_mv_q4_K if kind == "q4_K" else K.mul_mv_q6_K
+        assert_bits_equal(K.mul_mv_glu(y, g, u, kind, act), fn(mv(y, g), mv(y, u)))
+
+
+def test_per_row_norm_weights_equal_separate_norms():
+    """The Q- and K-norms of a token in one dispatch: each row's bits as if normalized alone."""
+    x = arr(6, 128)
+    wq, wk = arr(128), arr(128)
+    w = mx.concatenate([mx.broadcast_to(wq, (4, 128)), mx.broadcast_to(wk, (2, 128))])
+    both = K.rms_norm_mul(x, w, 1e-6)
+    assert_bits_equal(both[:4], K.rms_norm_mul(x[:4], wq, 1e-6))
+    assert_bits_equal(both[4:], K.rms_norm_mul(x[4:], wk, 1e-6))
+
+
+def test_dequantize_rows_is_gguf_py():
+    for kind in ("q4_K", "q6_K"):
+        w = qrows(5, 768, kind)
+        want = gguf_dequantize(np.array(w), QTYPE[kind]).reshape(5, 768)
+        assert_bits_equal(K.dequantize_rows(w, kind), want)
+
+
+def attention64(q, kv, pos, window, scale, gate):
+    """float64 reference: softmax over positions lo..pos (slot p % cap), GQA, then o * sigmoid(g)."""
+    q, kv = np.array(q, np.float64), np.array(kv).astype(np.float64)
+    _, hkv, cap, d = kv.shape
+    h = q.shape[0]
+    lo = max(0, pos - window + 1) if window else 0
+    slots = [p % cap for p in range(lo, pos + 1)]
+    out = np.zeros((h, d))
+    for i in range(h):
+        k, v = kv[0, i // (h // hkv), slots], kv[1, i // (h // hkv), slots]
+        s = (k @ q[i]) * scale
+        p = np.exp(s - s.max())
+        out[i] = p @ v / p.sum()
+    out = out.reshape(-1)
+    return out if gate is None else out / (1 + np.exp(-np.array(gate, np.float64)))
+
+
+# (heads, kv heads, head dim, cache capacity, window, position): a flat buffer, a ring that has
+# wrapped, a window inside a flat buffer, one KV head per query head, one position
+ATTN_CASES = [(8, 2, 64, 512, 0, 300), (4, 2, 128, 256, 256, 700), (6, 3, 32, 1024, 100, 600),
+              (2, 2, 64, 128, 0, 0), (16, 1, 128, 384, 0, 383)]
+
+
+def _attn_inputs(h, hkv, d, cap, gate=True):
+    q = arr(h, d, scale=0.3)
+    kv = mx.array((RNG.standard_normal((2, hkv, cap, d))).astype(np.float16))
+    g = arr(h * d) if gate else None
+    return q, kv, g
+
+
+@pytest.mark.parametrize("h,hkv,d,cap,window,pos", ATTN_CASES)
+def test_decode_attention_oracle_matches_float64(h, hkv, d, cap, window, pos):
+    """float32 scores over <= 128 dims and sums over <= 128 keys per split: relative error ~1e-6."""
+    q, kv, g = _attn_inputs(h, hkv, d, cap)
+    scale = d ** -0.5
+    got = np.array(attention.attn_decode_oracle(q, kv, pos, window, scale, g), np.float64)
+    np.testing.assert_allclose(got, attention64(q, kv, pos, window, scale, g), rtol=1e-5, atol=1e-6)
+
+
+def test_kv_pack_rounds_to_nearest_even_f16():
+    k, v = arr(256), arr(256)
+    packed = np.array(K.kv_pack_f16(k, v))
+    np.testing.assert_array_equal(packed[0].view(np.uint16), np.array(k).astype(np.float16).view(np.uint16))
+    np.testing.assert_array_equal(packed[1].view(np.uint16), np.array(v).astype(np.float16).view(np.uint16))
+
+
+# -- kernel source text on the CPU emulator -------------------------------------------------
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1"])
+@pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
+def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
+    """NR0 rows per SIMD group and NSG groups per threadgroup change the launch, not the bits."""
+    w, y = qrows(37, 768, kind), arr(3, 768)
+    fn = K.mul_mv_q4_K if kind == "q4_K" else K.mul_mv_q6_K
+    assert_bits_equal(emulate_recorded(fn, y, w, geometry=geometry), mul_mv.ORACLES[kind](y, w))
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["ggml", "4x2"])
+def test_multi_kernel(geometry):
+    y = arr(2, 512)
+    ws = [(qrows(36, 512, "q4_K"), "q4_K"), (qrows(8, 512, "q4_K"), "q4_K"), (qrows(5, 512, "q6_K"), "q6_K"),
+          (qrows(36, 512, "q4_K"), "q4_K")]
+    want = mx.concatenate([mul_mv.ORACLES[k](y, w) for w, k in ws], axis=-1)
+    assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry), want)
+    assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws[:2], geometry=geometry), want[:, :44])
+
+
+@emulator
+@pytest.mark.parametrize("kind,act", [("q4_K", "silu"), ("q6_K", "silu"), ("q4_K", "gelu_tanh")])
+def test_glu_kernel(kind, act):
+    g, u, y = qrows(37, 768, kind), qrows(37, 768, kind), arr(2, 768, scale=0.2)
+    gs, us = mul_mv.ORACLES[kind](y, g), mul_mv.ORACLES[kind](y, u)
+    want = ffn.silu_oracle(gs, us, exp=libm("expf")) if act == "silu" else ffn.gelu_oracle(gs, us, tanh=libm("tanhf"))
+    assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, g, u, kind, act, geometry="2x2"), want)
+
+
+@emulator
+def test_dequantize_kernels():
+    for kind in ("q4_K", "q6_K"):
+        w = qrows(3, 512, kind)
+        assert_bits_equal(emulate_recorded(K.dequantize_rows, w, kind), gguf_dequantize(np.array(w), QTYPE[kind]).reshape(3, 512))
+
+
+@emulator
+@pytest.mark.parametrize("h,hkv,d,cap,window,pos", ATTN_CASES)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_attention_kernels(h, hkv, d, cap, window, pos, gated):
+    q, kv, g = _attn_inputs(h, hkv, d, cap, gated)
+    scale = d ** -0.5
+    pos_arr, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    got = emulate_recorded(K.attn_decode, q, kv, pos_arr, geom, scale, g)
+    assert_bits_equal(got, attention.attn_decode_oracle(q, kv, pos, window, scale, g, exp=libm("expf")))
+
+
+@emulator
+def test_kv_pack_and_per_row_norm_kernels():
+    k, v = arr(256), arr(256)
+    np.testing.assert_array_equal(np.array(emulate_recorded(K.kv_pack_f16, k, v)).view(np.uint16),
+                                  np.array(K.kv_pack_f16(k, v)).view(np.uint16))
+    x, w = arr(6, 128), arr(6, 128)
+    assert_bits_equal(emulate_recorded(K.rms_norm_mul, x, w, 1e-6), rms_norm.rms_norm_mul_oracle(x, w, 1e-6, None, 32))
