@@ -19,6 +19,7 @@ from typing import Generator
 
 import mlx.core as mx
 
+from .decode import DecodeStep
 from .errors import MuseError, NumericalError, RequestError
 from .sampling import make_sampler
 
@@ -49,13 +50,15 @@ PREFILL_MODES = ("batched", "exact")
 def generate_step(
     prompt: mx.array, model, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None, prefill_callback=None,
-    prefill: str = "batched",
+    prefill: str = "batched", compiled: bool | None = None,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield ``(token, logprobs)`` pairs, one per generated token, for a 1-D prompt of ids.
 
     ``prefill="batched"`` pre-fills the prompt with matmuls (on the pinned route: an exact
     dequantization and MLX's matmul, the stock route's bits, instead of one matvec per token);
     ``"exact"`` keeps the route's one-token kernels for every prompt token (slow, batch-1 bits).
+    Decoding goes through :class:`~muse_mlx.decode.DecodeStep` when the route has a one-token
+    decode path (``compiled``: replay one ``mx.compile`` trace; default: on a GPU).
     """
     if prompt.ndim != 1 or prompt.size == 0:
         raise RequestError("the prompt must contain at least one token")
@@ -64,14 +67,21 @@ def generate_step(
     sampler = sampler or make_sampler()
     cache = model.make_cache() if cache is None else cache
     # room for the whole run now, so that decoding never reallocates the planes
+    capacity = cache[0].offset + prompt.size + max_tokens
     for c in cache:
-        c.reserve_for(model.cfg, c.offset + prompt.size + max_tokens)
+        c.reserve_for(model.cfg, capacity)
+    decode = None
+    if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
+        decode = DecodeStep(model, cache, capacity, compiled)
 
     history = prompt.tolist()
 
     def step(y):
         with mx.stream(generation_stream):
-            logits = model(y.reshape(1, -1), cache, last_only=True)[:, -1, :]
+            if decode is not None:
+                logits = decode(y)[None]
+            else:
+                logits = model(y.reshape(1, -1), cache, last_only=True)[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler(logprobs)[0], logprobs[0], mx.isfinite(logits).all()
 

@@ -192,6 +192,16 @@ class Model(nn.Module):
     def make_cache(self) -> list:
         return make_cache(self.cfg)
 
+    def prepare_decode(self, cache: list, total: int) -> None:
+        """Everything the decode path reads besides the token: planes with room for ``total``
+        positions, their kernel arguments, the stacked Q/K-norm weights (made outside any trace)."""
+        for c in cache:
+            c.reserve_for(self.cfg, total)
+            c.decode_geometry()
+        if self.cfg.qk_norm:
+            for b in self.blk:
+                b.qk_norm_weights()
+
     def embed(self, tokens: mx.array) -> mx.array:
         """Token rows (dequantized), scaled or normed as the architecture's graph does."""
         cfg = self.cfg
@@ -218,13 +228,14 @@ class Model(nn.Module):
         T = tokens.shape[1]
         decode = self.uses_decode_path(tokens, cache)
         hidden = self.embed(tokens)
+        # with positions given, the caller owns the caches' allocation and counts (a compiled step)
+        advance = decode and positions is None
         if decode:
-            for c in cache:
-                c.reserve_for(cfg, c.offset + 1)
-            if positions is None:
+            masks = {False: None, True: None}
+            if advance:
+                self.prepare_decode(cache, cache[0].offset + 1)
                 positions = (mx.array([cache[0].offset], dtype=mx.int32), [c.slot(c.offset) for c in cache])
             pos, slots = positions
-            masks = {False: None, True: None}
         else:
             masks = self._masks(T, cache)
         a = tap("attn_norm", route.norm(hidden, self.blk[0].attn_norm), 0)
@@ -233,7 +244,7 @@ class Model(nn.Module):
             c = None if cache is None else cache[i]
             hidden, a = block(hidden, a, route, masks[block.is_swa], c, nxt, self.kv_dtype,
                               (pos, slots[i]) if decode else None)
-        if decode:
+        if advance:
             for c in cache:
                 c.offset += 1
         if last_only:

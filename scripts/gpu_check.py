@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx.compare import ulp_distance  # noqa: E402
-from muse_mlx.kernels import ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
+from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
 from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
 from muse_mlx.quantizers import quantize  # noqa: E402
 
@@ -184,6 +184,95 @@ def check_ffn(rng, quick):
                     note="expected to differ (seeds §18.6)")
 
 
+def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
+    """Valid raw blocks without a quantizer (fast at 202,048 rows): random bytes, small f16 scales."""
+    size = 144 if qtype == T.Q4_K else 210
+    raw = rng.integers(0, 256, size=(rows, k // 256, size), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    for off in ((0, 2) if qtype == T.Q4_K else (208,)):
+        raw[..., off : off + 2] = d
+    return mx.array(raw.reshape(rows, -1))
+
+
+def check_geometries(rng, quick):
+    """Every launch geometry against ggml's (NR0 = NSG = 2) on the GPU, all rows: the same bits."""
+    shapes = [(19968, 6656), (6656, 19968), (202048, 6656)] if not quick else [(37, 768)]
+    for rows, k in shapes:
+        x = randn(rng, 2, k)
+        for qtype, fn in ((T.Q4_K, K.mul_mv_q4_K), (T.Q6_K, K.mul_mv_q6_K)):
+            if rows == 202048 and qtype == T.Q4_K:
+                continue
+            w = random_blocks(rows, k, qtype, rng)
+            ref = gpu(fn, x, w, geometry="ggml")
+            for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8"):
+                compare(f"mul_mv_{qtype.name}_f32 {geometry} == ggml 2x2", f"{rows}x{k} T=2",
+                        gpu(fn, x, w, geometry=geometry), ref, note="all rows")
+
+
+def check_decode_kernels(rng, quick):
+    """The decode path's one-dispatch kernels against the single kernels / oracles, at release sizes."""
+    D = 6656 if not quick else 512
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x = randn(rng, 1, D)
+    q4 = lambda r, c: mx.array(quantize((rng.standard_normal((r, c)) / np.sqrt(c)).astype(np.float32), T.Q4_K))  # noqa: E731
+    q6 = lambda r, c: mx.array(quantize((rng.standard_normal((r, c)) / np.sqrt(c)).astype(np.float32), T.Q6_K))  # noqa: E731
+    ws = [(q4(qw, D), "q4_K"), (q4(kvw, D), "q4_K"), (q6(kvw, D), "q6_K"), (q4(qw, D), "q4_K")]
+    single = mx.concatenate([gpu(K.mul_mv_q4_K if k == "q4_K" else K.mul_mv_q6_K, x, w) for w, k in ws], axis=-1)
+    compare("mul_mv_multi_f32 == 4 single matvecs", f"q,k,v(Q6_K),gate x {D}", gpu(K.mul_mv_multi, x, ws), single)
+    ff = 19968 if not quick else 320
+    for kind, mk, act in (("q4_K", q4, "silu"), ("q6_K", q6, "silu"), ("q4_K", q4, "gelu_tanh")):
+        wg, wu = mk(ff, D), mk(ff, D)
+        mv = K.mul_mv_q4_K if kind == "q4_K" else K.mul_mv_q6_K
+        unfused = gpu(K.silu_mul if act == "silu" else K.gelu_mul, gpu(mv, x, wg), gpu(mv, x, wu))
+        compare("mul_mv_glu_f32 == matvec, matvec, activation", f"{ff}x{D} {kind} {act}",
+                gpu(K.mul_mv_glu, x, wg, wu, kind, act), unfused)
+        wd = mk(512, D)
+        from gguf.quants import dequantize as gguf_dequantize
+        compare("dequant (prefill) == gguf-py", f"512x{D} {kind}", gpu(K.dequantize_rows, wd, kind),
+                mx.array(gguf_dequantize(np.array(wd), T.Q4_K if kind == "q4_K" else T.Q6_K).reshape(512, D)))
+    # decode attention: a flat buffer, a ring that has wrapped, a window in a flat buffer
+    cases = [(32, 2, 128, 8192, 0, 4000), (32, 2, 128, 4096, 4096, 6000), (32, 2, 128, 8192, 4096, 8191),
+             (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300)]
+    for h, hkv, d, cap, window, pos in cases[3:] if quick else cases:
+        q = randn(rng, h, d, scale=0.3)
+        kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
+        g = randn(rng, h * d)
+        got = gpu(K.attn_decode, q, kv, mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window),
+                  d ** -0.5, g)
+        want = attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=probe("exp"))
+        compare("attn_decode (partial + combine)", f"{h}x{hkv}x{d} cap {cap} win {window} pos {pos}", got, want,
+                note="device exp")
+    k, v = randn(rng, 256), randn(rng, 256)
+    compare("kv_pack_f16 == astype(f16)", "2x256", gpu(K.kv_pack_f16, k, v).astype(mx.float32),
+            mx.stack([k, v]).astype(mx.float16).astype(mx.float32))
+    qk, w = randn(rng, 34, 128), randn(rng, 34, 128)
+    compare("rms_norm_mul per-row weights", "34x128", gpu(K.rms_norm_mul, qk, w, 1e-5),
+            rms_norm.rms_norm_mul_oracle(qk, w, 1e-5, None, 32))
+
+
+def check_decode_step(rng, quick):
+    """A tiny model's decode path: compiled (one replayed trace) == uncompiled == the model's own."""
+    import tempfile
+
+    from muse_mlx import load_model
+    from muse_mlx.decode import DecodeStep
+    from muse_mlx.writer import write_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer")
+        model = load_model(path, "pinned")
+    tokens = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 40)]
+    outs = []
+    for compiled in (None, False, True):
+        cache = model.make_cache()
+        model(mx.array([tokens[:8]]), cache)
+        step = DecodeStep(model, cache, 64, compiled=compiled) if compiled is not None else None
+        logits = [(model(mx.array([[t]]), cache)[0, -1] if step is None else step(mx.array([t]))) for t in tokens[8:]]
+        outs.append(mx.stack(logits))
+    compare("decode step uncompiled == model", "tiny muse-glimmer, 32 tokens", outs[1], outs[0])
+    compare("decode step mx.compile == uncompiled", "tiny muse-glimmer, 32 tokens", outs[2], outs[1])
+
+
 def transcendental_ulps(rng):
     """The GPU's rsqrt/exp/tanh against correctly rounded values, on 1M arguments each."""
     args = {
@@ -212,7 +301,8 @@ def main() -> int:
     print(json.dumps(info))
     rng = np.random.default_rng(20261129)
     t0 = time.time()
-    for step in (check_norms, check_tails, check_matvecs, check_ffn):
+    for step in (check_norms, check_tails, check_matvecs, check_ffn, check_geometries, check_decode_kernels,
+                 check_decode_step):
         step(rng, args.quick)
     transcendental_ulps(rng)
     failed = [r for r in RESULTS if not r["ok"]]

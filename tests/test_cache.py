@@ -149,3 +149,27 @@ def test_sliding_cache_memory_is_bounded_over_long_decode(tiny):
         mx.eval([c.state for c in cache])
         sizes.append(sum(c.nbytes for c, s in zip(cache, model.cfg.swa_layers) if s))
     assert len(set(sizes[10:])) == 1 and sizes[10] < sizes[-1] + 1
+
+
+def test_decode_step_equals_the_models_own_decode_path(tiny):
+    """DecodeStep passes position and slots as arrays (so a GPU can replay one compiled trace);
+    the arithmetic is the decode path's, bit for bit, and the caches advance the same way."""
+    from muse_mlx.decode import DecodeStep
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    a, b = model.make_cache(), model.make_cache()
+    for c in (a, b):
+        model(mx.array([TOKENS[:6]]), c)
+    step = DecodeStep(model, b, capacity=64, compiled=False)
+    for t in TOKENS[6:]:
+        want = np.array(model(mx.array([[t]]), a)[0, -1])
+        got = np.array(step(mx.array([t])))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for c, d in zip(a, b):
+        assert c.offset == d.offset == len(TOKENS)
+        n = min(c.capacity, d.capacity)
+        np.testing.assert_array_equal(np.array(c.kv)[:, :, :, :n].view(np.uint16),
+                                      np.array(d.kv)[:, :, :, :n].view(np.uint16))
+    with pytest.raises(ValueError, match="prepared for 64 positions"):
+        for _ in range(64):
+            step(mx.array([1]))

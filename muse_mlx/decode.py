@@ -1,0 +1,56 @@
+"""The decode step: one token through the model on preallocated caches, optionally compiled.
+
+:class:`DecodeStep` owns what changes from token to token -- the position, each cache's write
+slot, the planes -- and passes them as arrays, so the graph of a step has the same shapes
+every time. That is what lets ``mx.compile`` trace it once and replay it: Python then does
+no per-op work for a token at all (the route's kernels are already built into the tape).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .cache import RingKVCache
+from .kernels import backend
+
+
+class DecodeStep:
+    """``step(token) -> logits [vocab]`` for batch 1, advancing ``cache`` by one position.
+
+    ``compiled=True`` replays one traced graph (``mx.compile``); the route must have the
+    one-token decode path (:meth:`muse_mlx.model.Model.uses_decode_path`). ``capacity``
+    positions are reserved up front so the planes never reallocate (a new size would mean
+    a new trace).
+    """
+
+    def __init__(self, model, cache: list, capacity: int, compiled: bool | None = None):
+        self.model, self.cache = model, cache
+        if not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
+            raise ValueError(f"the {model.route.describe()} route has no one-token decode path for this model")
+        model.prepare_decode(cache, capacity)
+        self.capacity = capacity
+        # The CPU oracles read the position back to the host (.item()), which a trace cannot do.
+        self.compiled = backend() != "cpu" if compiled is None else compiled
+        self._fn = mx.compile(self._step) if self.compiled else self._step
+
+    def _step(self, token, pos, slot_flat, slot_ring, *planes):
+        for c, p in zip(self.cache, planes):
+            c.kv = p
+        slots = [slot_ring if isinstance(c, RingKVCache) else slot_flat for c in self.cache]
+        logits = self.model(token, self.cache, last_only=True, positions=(pos, slots))
+        return (logits[0, -1],) + tuple(c.kv for c in self.cache)
+
+    def __call__(self, token: mx.array) -> mx.array:
+        pos = self.cache[0].offset
+        if pos >= self.capacity:
+            raise ValueError(f"the decode step was prepared for {self.capacity} positions")
+        ring = next((c.window for c in self.cache if isinstance(c, RingKVCache)), 1)
+        logits, *planes = self._fn(
+            token.reshape(1, 1).astype(mx.int32), mx.array([pos], dtype=mx.int32),
+            mx.array([pos], dtype=mx.int32), mx.array([pos % ring], dtype=mx.int32),
+            *[c.kv for c in self.cache],
+        )
+        for c, p in zip(self.cache, planes):
+            c.kv = p
+            c.offset += 1
+        return logits

@@ -1,0 +1,411 @@
+"""Decode and prefill speed of a Muse Glimmer checkpoint, per route and flag set, beside the roofline.
+
+    python scripts/bench.py [--file PATH] [--small] [--routes pinned,stock] [--json out.json]
+
+Makes (or reuses) a synthetic checkpoint FILE of the release geometry (52 layers x 6,656,
+FFN 19,968, 32x128 query heads, 2 KV heads, vocabulary 202,048, llama.cpp's Q4_K_M mix,
+random but valid blocks: ``muse_mlx.synthetic``), loads it per route and reports:
+
+* decode tokens/s at context 128 and 4,096 (median of ``--runs`` timed runs after a warm-up),
+  and the effective weight bandwidth (weight bytes read per token x tokens/s) as a fraction of
+  this device's copy bandwidth, which the script measures first;
+* prefill tokens/s for a 512-token prompt (batched prefill);
+* per-kernel time and bandwidth of the big matvecs (6656->19968, 19968->6656, 6656->4096,
+  the vocabulary head), stock vs pinned;
+* peak device memory vs file size, and dispatches per decoded token.
+
+The same script runs on Metal, on CUDA, and (``--small``: a 4-layer geometry of the same shape
+family) on a CPU. For decode at context 4,096 the caches are filled with random f16 values
+rather than pre-filled, since decode speed does not depend on what the planes hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from muse_mlx import kernels as K  # noqa: E402
+from muse_mlx import load_model  # noqa: E402
+from muse_mlx.decode import DecodeStep  # noqa: E402
+from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E402
+from muse_mlx.quants import to_affine  # noqa: E402
+from muse_mlx.routes import PINNED_FLAGS  # noqa: E402
+from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
+from muse_mlx.writer import MUSE_GLIMMER_30B  # noqa: E402
+
+# llama.cpp's own CUDA build on this H200 (commit 0c1e570; the issue's measurements)
+LLAMA_CPP_H200 = {"decode_fa": 92.7, "decode_no_fa": 85.7, "prefill_512": 2900.0}
+BLOCK = {T.Q4_K: 144, T.Q6_K: 210}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# -- the device's own ceiling -------------------------------------------------------------
+
+
+def copy_bandwidth(n_bytes: int) -> float:
+    """Bytes read + written per second by a chain of plain copies (``a + 0``), best of 5."""
+    a = mx.random.uniform(shape=(n_bytes // 4,))
+    mx.eval(a)
+    best = float("inf")
+    reps = 8
+    for _ in range(5):
+        t0 = time.perf_counter()
+        b = a
+        outs = []
+        for _ in range(reps):
+            b = b + 0.0
+            outs.append(b)
+        mx.eval(outs)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return 2 * a.nbytes / best
+
+
+# -- per-kernel timings --------------------------------------------------------------------
+
+
+def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
+    """Valid raw blocks: random quants and scales, small finite f16 super-scales."""
+    nb = k // 256
+    raw = rng.integers(0, 256, size=(rows, nb, BLOCK[qtype]), dtype=np.uint8)
+    d = rng.uniform(1e-4, 1e-3, size=(rows, nb)).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
+    if qtype == T.Q4_K:
+        raw[..., 0:2] = d
+        raw[..., 2:4] = d
+    else:
+        raw[..., 208:210] = d
+    out = mx.array(raw.reshape(rows, nb * BLOCK[qtype]))
+    mx.eval(out)
+    return out
+
+
+def time_op(fn, reps: int) -> float:
+    """Seconds per call: ``reps`` independent calls in one graph, one eval, median of 5."""
+    mx.eval(fn())
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval([fn() for _ in range(reps)])
+        times.append((time.perf_counter() - t0) / reps)
+    return statistics.median(times)
+
+
+MATVECS = [  # (label, rows, cols) at the release geometry
+    ("ffn_gate/up 6656->19968", 19968, 6656),
+    ("ffn_down 19968->6656", 6656, 19968),
+    ("attn_q 6656->4096", 4096, 6656),
+    ("head 6656->202048", 202048, 6656),
+]
+
+
+def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
+    rows = []
+    scale = g.n_embd / MUSE_GLIMMER_30B.n_embd
+    shapes = MATVECS if scale == 1 else [
+        ("ffn_gate/up", g.n_ff, g.n_embd), ("ffn_down", g.n_embd, g.n_ff), ("attn_q", g.n_head * g.head_dim, g.n_embd),
+        ("head", vocab, g.n_embd)]
+    for label, R, Kc in shapes:
+        y = mx.array(rng.standard_normal((1, Kc)).astype(np.float32))
+        for qtype in (T.Q4_K, T.Q6_K):
+            if label.startswith("head") and qtype == T.Q4_K:
+                continue  # the head is Q6_K in Q4_K_M
+            w = random_blocks(R, Kc, qtype, rng)
+            kind = "q4_K" if qtype == T.Q4_K else "q6_K"
+            fn = K.mul_mv_q4_K if qtype == T.Q4_K else K.mul_mv_q6_K
+            variants = [(f"pinned mul_mv_{kind} (tuned {K.mul_mv.mv_geometry('tuned', K.backend())})",
+                         lambda: fn(y, w), w.nbytes)]
+            variants.append((f"pinned mul_mv_{kind} (ggml 2x2)", lambda: fn(y, w, geometry="ggml"), w.nbytes))
+            if qtype == T.Q4_K and not label.startswith("head"):
+                aw, sc, bi, bits = to_affine(w, qtype)
+                mx.eval(aw, sc, bi)
+                variants.append(("stock quantized_matmul (affine, f32 scales)",
+                                 lambda: mx.quantized_matmul(y, aw, sc, bi, transpose=True, group_size=32, bits=bits),
+                                 aw.nbytes + sc.nbytes + bi.nbytes))
+            if label.startswith("ffn_gate") and qtype == T.Q4_K:
+                w2 = random_blocks(R, Kc, qtype, rng)
+                variants.append(("pinned mul_mv_glu (gate+up+silu)", lambda: K.mul_mv_glu(y, w, w2, kind, "silu"),
+                                 2 * w.nbytes))
+            for name, f, nbytes in variants:
+                t = time_op(f, reps if R * Kc < 5e8 else max(2, reps // 4))
+                rows.append(dict(op=name, shape=f"{R}x{Kc}", label=label, qtype=kind, us=t * 1e6, gbps=nbytes / t / 1e9))
+                log(f"  {name:52} {label:26} {kind}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
+            del w
+    # the four projections of one layer in one dispatch (q, k, v, gate)
+    D, q, kv = g.n_embd, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    y = mx.array(rng.standard_normal((1, D)).astype(np.float32))
+    ws = [(random_blocks(q, D, T.Q4_K, rng), "q4_K"), (random_blocks(kv, D, T.Q4_K, rng), "q4_K"),
+          (random_blocks(kv, D, T.Q6_K, rng), "q6_K"), (random_blocks(q, D, T.Q4_K, rng), "q4_K")]
+    nbytes = sum(w.nbytes for w, _ in ws)
+    t = time_op(lambda: K.mul_mv_multi(y, ws), reps)
+    rows.append(dict(op="pinned mul_mv_multi (q,k,v,gate)", shape=f"{2 * q + 2 * kv}x{D}", label="qkvg", qtype="mix",
+                     us=t * 1e6, gbps=nbytes / t / 1e9))
+    log(f"  {'pinned mul_mv_multi (q,k,v,gate)':52} {'qkvg':26} mix   {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
+    t = time_op(lambda: [K.mul_mv_q4_K(y, ws[0][0]), K.mul_mv_q4_K(y, ws[1][0]), K.mul_mv_q6_K(y, ws[2][0]),
+                         K.mul_mv_q4_K(y, ws[3][0])], reps)
+    rows.append(dict(op="pinned 4 single matvecs (q,k,v,gate)", shape=f"{2 * q + 2 * kv}x{D}", label="qkvg",
+                     qtype="mix", us=t * 1e6, gbps=nbytes / t / 1e9))
+    log(f"  {'pinned 4 single matvecs (q,k,v,gate)':52} {'qkvg':26} mix   {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
+    return rows
+
+
+SWEEP = ("2x2", "1x2", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "4x8")
+
+
+def geometry_sweep(reps: int, rng) -> list[dict]:
+    """The matvec kernels at every launch geometry in SWEEP (the same bits; only speed differs)."""
+    rows = []
+    for label, R, Kc in MATVECS:
+        y = mx.array(rng.standard_normal((1, Kc)).astype(np.float32))
+        for qtype in (T.Q4_K, T.Q6_K):
+            if label.startswith("head") and qtype == T.Q4_K:
+                continue
+            w = random_blocks(R, Kc, qtype, rng)
+            fn = K.mul_mv_q4_K if qtype == T.Q4_K else K.mul_mv_q6_K
+            line = []
+            for geometry in SWEEP:
+                t = time_op(lambda: fn(y, w, geometry=geometry), reps if R < 100000 else max(2, reps // 4))
+                rows.append(dict(label=label, qtype=qtype.name, geometry=geometry, us=t * 1e6, gbps=w.nbytes / t / 1e9))
+                line.append(f"{geometry} {w.nbytes / t / 1e9:5.0f}")
+            log(f"  {label:26} {qtype.name}: " + "  ".join(line) + "  (GB/s)")
+            del w
+    return rows
+
+
+# -- whole-model decode and prefill --------------------------------------------------------
+
+
+def fill_cache(model, cache, n: int, rng) -> None:
+    """Caches as if ``n`` positions had been pre-filled (random f16 planes): decode cost only."""
+    model.prepare_decode(cache, n + 512)
+    for c in cache:
+        c.kv = (0.5 * mx.random.normal(c.kv.shape)).astype(mx.float16)
+        c.offset = n
+    mx.eval([c.kv for c in cache])
+
+
+def dispatch_cost(n: int = 200) -> dict:
+    """Seconds per op of a chain of ``n`` dependent tiny ops: MLX adds, and custom kernels."""
+    x = mx.ones((256,))
+    mx.eval(x)
+
+    def adds(v):
+        for _ in range(n):
+            v = v + 1.0
+        return v
+
+    def kernels_chain(v):
+        for _ in range(n):
+            v = K.kv_pack_f16(v, v)[0].astype(mx.float32)  # one kernel + one cast per step
+        return v
+
+    out = {}
+    for name, fn in (("mlx_add", adds), ("custom_kernel+astype", kernels_chain)):
+        for compiled in (False, True):
+            f = mx.compile(fn) if compiled else fn
+            mx.eval(f(x))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                mx.eval(f(x))
+                times.append(time.perf_counter() - t0)
+            out[name + (" compiled" if compiled else "")] = statistics.median(times) / n
+    return out
+
+
+def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dict:
+    """Median tokens/s over ``runs`` runs of ``n_tokens`` greedy tokens, pipelined as generate does."""
+    rates = []
+    for run in range(runs + 1):  # the first run warms up (kernel builds, the compile trace)
+        cache = model.make_cache()
+        fill_cache(model, cache, ctx, rng)
+        if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
+            step_fn = DecodeStep(model, cache, ctx + n_tokens + 2, compiled)
+            step = lambda y: mx.argmax(step_fn(y))  # noqa: E731
+        else:
+            step = lambda y: mx.argmax(model(y.reshape(1, 1), cache, last_only=True)[0, -1])  # noqa: E731
+        y = step(mx.array([1]))
+        mx.async_eval(y)
+        y.item()
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            nxt = step(y.reshape(1))
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        y.item()
+        dt = time.perf_counter() - t0
+        if run:
+            rates.append(n_tokens / dt)
+        del cache
+    return dict(ctx=ctx, tok_s=statistics.median(rates), runs=rates)
+
+
+def dispatch_count(model, ctx: int, rng) -> dict:
+    """Route ops and MLX graph nodes of one decoded token (traced once, not compiled)."""
+    cache = model.make_cache()
+    fill_cache(model, cache, ctx, rng)
+    model.route.dispatches.clear()
+    out = model(mx.array([[1]]), cache, last_only=True)
+    ops = dict(model.route.dispatches)
+    with tempfile.NamedTemporaryFile("w+", suffix=".dot") as f:
+        mx.export_to_dot(f.name, out)
+        text = Path(f.name).read_text()
+    # primitives are the rectangles of MLX's DOT export: `{ 9385... [label ="Add", shape=rectangle]; }`
+    prims: dict[str, int] = {}
+    for line in text.splitlines():
+        if "shape=rectangle" in line:
+            label = line.split('label ="', 1)[1].split('"', 1)[0]
+            prims[label] = prims.get(label, 0) + 1
+    mx.eval(out)
+    return dict(route_ops=sum(ops.values()), graph_primitives=sum(prims.values()), by_op=ops, by_primitive=prims)
+
+
+def prefill_rate(model, n: int, runs: int, rng, vocab: int) -> float:
+    prompt = mx.array(rng.integers(0, vocab, n))
+    rates = []
+    with batched_prefill(model.route):
+        for run in range(runs + 1):
+            cache = model.make_cache()
+            model.prepare_decode(cache, n + 8)
+            mx.eval([c.kv for c in cache])
+            t0 = time.perf_counter()
+            out = model(prompt[None], cache, last_only=True)
+            mx.eval(out, [c.kv for c in cache])
+            dt = time.perf_counter() - t0
+            if run:
+                rates.append(n / dt)
+            del cache
+    return statistics.median(rates)
+
+
+def flag_sets(route: str, wanted: str | None) -> list[tuple[str, ...]]:
+    if route == "stock":
+        return [()]
+    sets = [()] + [(f,) for f in PINNED_FLAGS]
+    if wanted:
+        sets = [tuple(s.split("+")) if s else () for s in wanted.split(",")]
+    return sets
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", default=None, help="synthetic checkpoint path (made if missing; default: in the temp dir)")
+    ap.add_argument("--small", action="store_true", help="a 4-layer geometry of the same family (for a CPU)")
+    ap.add_argument("--routes", default="pinned,stock", help="routes to measure, comma-separated (default: %(default)s)")
+    ap.add_argument("--flags", default=None,
+                    help="pinned flag sets, comma-separated, '+' within a set, '' for none (default: none, then each flag)")
+    ap.add_argument("--contexts", default="128,4096", help="decode contexts (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per timed run (default: %(default)s)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per measurement, after one warm-up (default: %(default)s)")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement; 0 skips it (default: %(default)s)")
+    ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
+    ap.add_argument("--skip-kernels", action="store_true", help="skip the per-kernel table")
+    ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
+    ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
+    ap.add_argument("--json", default=None, help="write every number to this JSON file")
+    args = ap.parse_args(argv)
+
+    g, vocab = (SMALL_GEOMETRY, SMALL_VOCAB) if args.small else (MUSE_GLIMMER_30B, RELEASE_VOCAB)
+    if args.small:
+        args.contexts = ",".join(str(min(int(c), 512)) for c in args.contexts.split(","))
+    rng = np.random.default_rng(0)
+    report: dict = dict(
+        date=datetime.date.today().isoformat(), mlx=mx.__version__, device=str(mx.default_device()),
+        backend=K.backend(), platform=platform.platform(), python=platform.python_version(),
+        command="python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        geometry=dict(layers=g.n_layer, n_embd=g.n_embd, n_ff=g.n_ff, heads=g.n_head, kv_heads=g.n_head_kv,
+                      head_dim=g.head_dim, vocab=vocab),
+    )
+    if K.backend() == "cuda":
+        report["gpu"] = os.popen("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader").read().strip()
+    bw = copy_bandwidth(1 << 30 if not args.small else 1 << 27)
+    report["copy_tb_s"] = bw / 1e12
+    log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s")
+
+    if args.sweep:
+        log("matvec bandwidth per launch geometry (NR0xNSG):")
+        report["sweep"] = geometry_sweep(args.kernel_reps, rng)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
+    if K.backend() != "cpu":
+        report["dispatch_cost_s"] = dispatch_cost()
+        log("dispatch cost per op in a dependent chain: " +
+            ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in report["dispatch_cost_s"].items()))
+    if not args.skip_kernels:
+        log("per-kernel timings (one token):")
+        report["kernels"] = kernel_table(g, vocab, args.kernel_reps, rng)
+        mx.clear_cache()
+
+    path = Path(args.file or Path(tempfile.gettempdir()) / ("muse-glimmer-synthetic" + ("-small" if args.small else "") + ".gguf"))
+    t0 = time.perf_counter()
+    ensure_synthetic(path, g, vocab, "q4_k_m", 0)
+    file_bytes = path.stat().st_size
+    report["file"] = dict(path=str(path), bytes=file_bytes, seconds=time.perf_counter() - t0)
+    log(f"checkpoint {path} ({file_bytes / 1e9:.2f} GB) ready in {time.perf_counter() - t0:.0f} s")
+
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    report["routes"] = []
+    for route in args.routes.split(","):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        model = load_model(path, route, progress=False)
+        load_s = time.perf_counter() - t0
+        wbytes = weight_bytes_per_token(model)
+        loaded_peak = mx.get_peak_memory()
+        log(f"{route}: loaded in {load_s:.0f} s; weights read per token {wbytes / 1e9:.2f} GB "
+            f"(roofline {bw / wbytes:.0f} tok/s); peak memory {loaded_peak / 1e9:.1f} GB = "
+            f"{loaded_peak / file_bytes:.2f} x file")
+        for flags in flag_sets(route, args.flags):
+            model.route.flags = frozenset(flags)
+            name = route + "".join("+" + f for f in flags)
+            compiles = [False] if (args.no_compile or K.backend() == "cpu" or route == "stock") else [True, False]
+            entry = dict(route=name, load_s=load_s, weight_bytes=wbytes, loaded_peak_bytes=loaded_peak,
+                         file_bytes=file_bytes, decode=[])
+            entry["dispatches"] = dispatch_count(model, contexts[0], rng)
+            log(f"  {name}: {entry['dispatches']['route_ops']} route ops, "
+                f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
+            for compiled in compiles:
+                for ctx in contexts:
+                    n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
+                    r = decode_rate(model, ctx, n_tok, args.runs, compiled if model.route.fast_decode(model.cfg) else None, rng)
+                    r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
+                             of_roofline=r["tok_s"] / (bw / wbytes))
+                    entry["decode"].append(r)
+                    log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}: {r['tok_s']:7.1f} tok/s = "
+                        f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}")
+            if args.prefill and (not flags or flags == ("tail_32sg",)):
+                entry["prefill_tok_s"] = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab)
+                log(f"    prefill {args.prefill} (batched): {entry['prefill_tok_s']:.0f} tok/s")
+            entry["peak_bytes"] = mx.get_peak_memory()
+            log(f"    peak memory {entry['peak_bytes'] / 1e9:.1f} GB = {entry['peak_bytes'] / file_bytes:.2f} x file")
+            report["routes"].append(entry)
+        model.route.flags = frozenset()
+        del model
+    report["llama_cpp_h200"] = LLAMA_CPP_H200
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
