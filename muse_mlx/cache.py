@@ -80,11 +80,6 @@ class _Planes:
             self._geometry = decode_geometry(self.capacity, self.window)
         return self._geometry
 
-    def decode_planes(self) -> mx.array:
-        """``[2, H, capacity, D]`` for batch 1 (a view): what the decode attention kernel reads."""
-        _, B, H, cap, D = self.kv.shape
-        return self.kv.reshape(2, H, cap, D)
-
 
 class KVCache(_Planes):
     """Global layers: all positions, in a buffer grown ``step`` slots at a time (or reserved once)."""

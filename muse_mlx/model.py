@@ -108,32 +108,30 @@ class Block(nn.Module):
 
         The four projections are one matvec dispatch, the Q- and K-norms one norm dispatch, RoPE
         one op over the query and key heads together; K and V are packed to f16 and written in
-        place at ``slot``; attention and its output gate read the planes directly. ``pos`` is the
-        token's position as an int32 [1] array, so nothing here depends on a Python-side count.
+        place at ``slot``; attention and its output gate read the planes directly. Every kernel
+        reads its part of the projection output where it lies (an offset, not a slice: each slice
+        or reshape would be one more op per layer). ``pos`` is the token's position as an int32
+        [1] array, so nothing here depends on a Python-side count.
         """
         cfg, il = self.cfg, self.layer
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         qw, kw = cfg.q_width, cfg.kv_width
         ws = [self.attn_q, self.attn_k, self.attn_v] + ([self.attn_gate] if cfg.attn_gate else [])
-        y = route.project(a, ws).reshape(-1)  # [q | k | v | gate]
-        qk = y[: qw + kw].reshape(H + Hkv, D)
-        v = tap("Vcur", y[qw + kw : qw + 2 * kw], il)
-        gate = tap("attn_gate_proj", y[qw + 2 * kw :], il) if cfg.attn_gate else None
+        y = tap("QKVG", route.project(a, ws), il)  # [1, 1, q | k | v | gate]
         if cfg.qk_norm:
-            qk = tap("QKcur_normed", route.qk_norm(qk, self.qk_norm_weights(), cfg.rms_eps), il)
+            qk = route.qk_norm(y, self.qk_norm_weights(), cfg.rms_eps, H + Hkv, (1, H + Hkv, 1, D))
+        else:
+            qk = y[..., : qw + kw].reshape(1, H + Hkv, 1, D)
         if self.use_rope:
-            qk = tap("QKcur_rope", self._rope(qk.reshape(1, H + Hkv, 1, D), pos).reshape(H + Hkv, D), il)
-        q, k = qk[:H], qk[H:]
-        scale = cfg.kq_scale
-        if cfg.q_scale is not None:
-            if cfg.kq_scale == 1.0:
-                scale = cfg.q_scale  # the kernel's q*scale is then the graph's q*q_scale, bit for bit
-            else:
-                q = q * np.float32(cfg.q_scale)
-        kv = tap("kv_cache", route.kv_pack(k, v), il)
-        cache.write_token(kv.reshape(2, 1, Hkv, 1, D), slot)
-        o = route.attn_decode(q, cache.decode_planes(), pos, cache.decode_geometry(), scale, gate)
-        o = tap("attn_gated" if gate is not None else "attn_out", o.reshape(1, 1, qw), il)
+            qk = self._rope(qk, pos)
+        qk = tap("QKcur", qk, il)
+        # q*q_scale then a scale of 1 is, bit for bit, the kernel's q*scale with scale = q_scale
+        scale = cfg.kq_scale if cfg.q_scale is None else cfg.q_scale
+        kv = tap("kv_cache", route.kv_pack(qk, y, kw, qw, qw + kw, (2, 1, Hkv, 1, D)), il)
+        cache.write_token(kv, slot)
+        o = route.attn_decode(qk, cache.kv, pos, cache.decode_geometry(), scale, H,
+                              y if cfg.attn_gate else None, qw + 2 * kw, (1, 1, qw))
+        o = tap("attn_gated" if cfg.attn_gate else "attn_out", o, il)
         return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 
     def qk_norm_weights(self) -> mx.array:
@@ -205,7 +203,7 @@ class Model(nn.Module):
     def embed(self, tokens: mx.array) -> mx.array:
         """Token rows (dequantized), scaled or normed as the architecture's graph does."""
         cfg = self.cfg
-        x = tap("inp_embd", self.token_embd(tokens))
+        x = tap("inp_embd", self.route.embed(self.token_embd, tokens))
         if cfg.embed_scale is not None:
             x = tap("inp_scaled", x * np.float32(cfg.embed_scale))  # ggml_scale by sqrtf(n_embd), in f32
         if cfg.entry_norm:

@@ -34,6 +34,7 @@ PINNED_FLAGS = {
     "tail_32sg": "legacy one-token dual-eps tail (rsqrt, serial 32-partial combine): NOT exact vs llama.cpp",
     "ffn_4r2s": "fused Q4_K gate+up+activation kernel (ffn_q4k_gate_up_silu_4r2s): NOT exact vs llama.cpp",
     "split_norm_f16": "cross-vendor seam: every norm split into an F16 unweighted RMS and an F16 weight multiply",
+    "mv_q8": "Q4_K matvecs on int8 activations (per-32 scales, as llama.cpp's CUDA q8_1) with integer dots: NOT exact, fast",
 }
 
 
@@ -74,6 +75,10 @@ class Route:
 
     def linear(self, x: mx.array, w: QLinear) -> mx.array:
         raise NotImplementedError
+
+    def embed(self, table, tokens: mx.array) -> mx.array:
+        """Embedding rows, dequantized exactly (:class:`~muse_mlx.layers.QEmbedding`)."""
+        return table(tokens)
 
     def project(self, x: mx.array, ws: list[QLinear]) -> mx.array:
         """Several projections of the same input, concatenated on the last axis."""
@@ -188,6 +193,9 @@ class PinnedRoute(Route):
             if self._batched(x):
                 self.count("dequant_matmul")
                 return x @ kernels.dequantize_rows(w.weight, _KIND[w.qtype]).T
+            if "mv_q8" in self.flags and w.qtype == T.Q4_K:
+                self.count("mul_mv_q4_K_q8")
+                return kernels.mul_mv_q8(x, [(w.weight, "q4_K")])
             self.count(f"mul_mv_{_KIND[w.qtype]}_f32")
             return (kernels.mul_mv_q4_K if w.qtype == T.Q4_K else kernels.mul_mv_q6_K)(x, w.weight)
         self.count("stock_linear")
@@ -197,30 +205,44 @@ class PinnedRoute(Route):
         # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs
         # them one by one; each row gets the same bits either way).
         if len(ws) <= 4 and not self._batched(x) and all(w.form == "blocks" and w.qtype in _KIND for w in ws):
+            mats = [(w.weight, _KIND[w.qtype]) for w in ws]
+            if "mv_q8" in self.flags:
+                self.count("mul_mv_q4_K_q8 (multi)")
+                return kernels.mul_mv_q8(x, mats)
             self.count("mul_mv_multi_f32")
-            return kernels.mul_mv_multi(x, [(w.weight, _KIND[w.qtype]) for w in ws])
+            return kernels.mul_mv_multi(x, mats)
         return super().project(x, ws)
+
+    def embed(self, table, tokens):
+        # the same exact dequantization as QEmbedding's MLX ops, in one dispatch
+        if table.qtype in _KIND:
+            self.count("dequant_rows")
+            return kernels.dequantize_rows(table.weight[tokens], _KIND[table.qtype])
+        return table(tokens)
 
     def fast_decode(self, cfg) -> bool:
         from .kernels.attention import CMAX
 
         g = cfg.n_head // cfg.n_head_kv
         fits = 4 * g * (cfg.head_dim + CMAX + 1) <= 32 * 1024  # the partial pass's threadgroup memory
-        return (cfg.attn_softcap is None and cfg.head_dim % 4 == 0 and cfg.head_dim <= 1024 and fits
+        scales = cfg.q_scale is None or cfg.kq_scale == 1.0  # one scale inside the kernel
+        return (cfg.attn_softcap is None and cfg.head_dim % 4 == 0 and cfg.head_dim <= 1024 and fits and scales
                 and "split_norm_f16" not in self.flags)
 
-    def qk_norm(self, qk, weights, eps):
-        """The Q- and K-norms of one token, ``[n_head + n_head_kv, head_dim]``, in one dispatch."""
+    def qk_norm(self, y, weights, eps, rows, out_shape):
+        """The Q- and K-norms of one token in one dispatch: the first ``rows`` head-rows of ``y``."""
         self.count("rms_norm_mul")
-        return kernels.rms_norm_mul(qk, weights, eps, geometry=self.geometry)
+        return kernels.rms_norm_mul(y, weights, eps, geometry=self.geometry, n=out_shape[-1], rows=rows,
+                                    out_shape=out_shape)
 
-    def kv_pack(self, k, v):
+    def kv_pack(self, k_src, v_src, n, k_offset, v_offset, out_shape):
         self.count("kv_pack_f16")
-        return kernels.kv_pack_f16(k, v)
+        return kernels.kv_pack_f16(k_src, v_src, n, k_offset, v_offset, out_shape)
 
-    def attn_decode(self, q, planes, pos, geometry, scale, gate):
+    def attn_decode(self, q, planes, pos, geometry, scale, n_head, gate, gate_offset, out_shape):
         self.count("attn_decode_partial + combine", 2)
-        return kernels.attn_decode(q, planes, pos, geometry, scale, gate)
+        return kernels.attn_decode(q, planes, pos, geometry, scale, gate, n_head=n_head, gate_offset=gate_offset,
+                                   out_shape=out_shape)
 
     def glu(self, gate, up, activation):
         self.count(f"{activation}_mul_inplace")
@@ -233,6 +255,9 @@ class PinnedRoute(Route):
             self.count("ffn_q4k_gate_up_silu_4r2s")
             return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
         same = gate.form == up.form == "blocks" and gate.qtype == up.qtype and gate.qtype in _KIND
+        if "mv_q8" in self.flags and fusable and not self._batched(x):
+            self.count("mul_mv_q4_K_q8 (glu)")
+            return kernels.mul_mv_q8(x, [(gate.weight, "q4_K"), (up.weight, "q4_K")], glu=activation)
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")

@@ -96,13 +96,17 @@ def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
     return out
 
 
-def time_op(fn, reps: int) -> float:
-    """Seconds per call: ``reps`` independent calls in one graph, one eval, median of 5."""
-    mx.eval(fn())
+def time_op(fn, reps: int, width: int) -> float:
+    """Device seconds per call of ``fn(y)``: ``reps`` calls on distinct activation rows (so that
+    nothing is merged) replayed as one compiled graph -- Python's per-call cost, which would
+    otherwise dominate a 30-microsecond kernel, is paid once at the trace. Median of 5."""
+    ys = [mx.random.normal((1, width)) for _ in range(reps)]
+    f = mx.compile(lambda *a: [fn(y) for y in a])
+    mx.eval(ys, f(*ys))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(reps)])
+        mx.eval(f(*ys))
         times.append((time.perf_counter() - t0) / reps)
     return statistics.median(times)
 
@@ -129,21 +133,25 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
             w = random_blocks(R, Kc, qtype, rng)
             kind = "q4_K" if qtype == T.Q4_K else "q6_K"
             fn = K.mul_mv_q4_K if qtype == T.Q4_K else K.mul_mv_q6_K
-            variants = [(f"pinned mul_mv_{kind} (tuned {K.mul_mv.mv_geometry('tuned', K.backend())})",
-                         lambda: fn(y, w), w.nbytes)]
-            variants.append((f"pinned mul_mv_{kind} (ggml 2x2)", lambda: fn(y, w, geometry="ggml"), w.nbytes))
+            variants = [(f"pinned mul_mv_{kind} (tuned {K.mul_mv.mv_geometry('tuned', K.backend(), kind)})",
+                         lambda y: fn(y, w), w.nbytes)]
+            variants.append((f"pinned mul_mv_{kind} (ggml 2x2)", lambda y: fn(y, w, geometry="ggml"), w.nbytes))
+            if qtype == T.Q4_K:
+                variants.append(("pinned mul_mv_q4_K_q8 (opt-in mv_q8)", lambda y: K.mul_mv_q8(y, [(w, "q4_K")]), w.nbytes))
             if qtype == T.Q4_K and not label.startswith("head"):
                 aw, sc, bi, bits = to_affine(w, qtype)
                 mx.eval(aw, sc, bi)
                 variants.append(("stock quantized_matmul (affine, f32 scales)",
-                                 lambda: mx.quantized_matmul(y, aw, sc, bi, transpose=True, group_size=32, bits=bits),
+                                 lambda y: mx.quantized_matmul(y, aw, sc, bi, transpose=True, group_size=32, bits=bits),
                                  aw.nbytes + sc.nbytes + bi.nbytes))
             if label.startswith("ffn_gate") and qtype == T.Q4_K:
                 w2 = random_blocks(R, Kc, qtype, rng)
-                variants.append(("pinned mul_mv_glu (gate+up+silu)", lambda: K.mul_mv_glu(y, w, w2, kind, "silu"),
+                variants.append(("pinned mul_mv_glu (gate+up+silu)", lambda y: K.mul_mv_glu(y, w, w2, kind, "silu"),
                                  2 * w.nbytes))
+                variants.append(("pinned mul_mv_q4_K_q8 glu (opt-in mv_q8)",
+                                 lambda y: K.mul_mv_q8(y, [(w, kind), (w2, kind)], glu="silu"), 2 * w.nbytes))
             for name, f, nbytes in variants:
-                t = time_op(f, reps if R * Kc < 5e8 else max(2, reps // 4))
+                t = time_op(f, reps if R * Kc < 5e8 else max(2, reps // 4), Kc)
                 rows.append(dict(op=name, shape=f"{R}x{Kc}", label=label, qtype=kind, us=t * 1e6, gbps=nbytes / t / 1e9))
                 log(f"  {name:52} {label:26} {kind}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
             del w
@@ -153,19 +161,24 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
     ws = [(random_blocks(q, D, T.Q4_K, rng), "q4_K"), (random_blocks(kv, D, T.Q4_K, rng), "q4_K"),
           (random_blocks(kv, D, T.Q6_K, rng), "q6_K"), (random_blocks(q, D, T.Q4_K, rng), "q4_K")]
     nbytes = sum(w.nbytes for w, _ in ws)
-    t = time_op(lambda: K.mul_mv_multi(y, ws), reps)
+    t = time_op(lambda y: K.mul_mv_multi(y, ws), reps, D)
     rows.append(dict(op="pinned mul_mv_multi (q,k,v,gate)", shape=f"{2 * q + 2 * kv}x{D}", label="qkvg", qtype="mix",
                      us=t * 1e6, gbps=nbytes / t / 1e9))
     log(f"  {'pinned mul_mv_multi (q,k,v,gate)':52} {'qkvg':26} mix   {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
-    t = time_op(lambda: [K.mul_mv_q4_K(y, ws[0][0]), K.mul_mv_q4_K(y, ws[1][0]), K.mul_mv_q6_K(y, ws[2][0]),
-                         K.mul_mv_q4_K(y, ws[3][0])], reps)
+    t = time_op(lambda y: mx.concatenate([K.mul_mv_q4_K(y, ws[0][0]), K.mul_mv_q4_K(y, ws[1][0]),
+                                          K.mul_mv_q6_K(y, ws[2][0]), K.mul_mv_q4_K(y, ws[3][0])], -1), reps, D)
     rows.append(dict(op="pinned 4 single matvecs (q,k,v,gate)", shape=f"{2 * q + 2 * kv}x{D}", label="qkvg",
                      qtype="mix", us=t * 1e6, gbps=nbytes / t / 1e9))
     log(f"  {'pinned 4 single matvecs (q,k,v,gate)':52} {'qkvg':26} mix   {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
+    t = time_op(lambda y: K.mul_mv_q8(y, ws), reps, D)
+    rows.append(dict(op="pinned mul_mv_q4_K_q8 multi (opt-in mv_q8)", shape=f"{2 * q + 2 * kv}x{D}", label="qkvg",
+                     qtype="mix", us=t * 1e6, gbps=nbytes / t / 1e9))
+    log(f"  {'pinned mul_mv_q4_K_q8 multi (opt-in mv_q8)':52} {'qkvg':26} mix   {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
     return rows
 
 
-SWEEP = ("2x2", "1x2", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "4x8")
+SWEEP = ("2x2", "1x4", "2x4", "4x2", "4x4", "2x8", "1x8", "2x2x2", "2x4x2", "4x2x2", "1x4x2", "1x8x2")
+Q8_SWEEP = ("2x4", "4x4", "4x8", "2x8", "8x4", "1x8", "8x8", "4x2")
 
 
 def geometry_sweep(reps: int, rng) -> list[dict]:
@@ -179,13 +192,38 @@ def geometry_sweep(reps: int, rng) -> list[dict]:
             w = random_blocks(R, Kc, qtype, rng)
             fn = K.mul_mv_q4_K if qtype == T.Q4_K else K.mul_mv_q6_K
             line = []
+            n = reps if R < 100000 else max(2, reps // 4)
             for geometry in SWEEP:
-                t = time_op(lambda: fn(y, w, geometry=geometry), reps if R < 100000 else max(2, reps // 4))
+                t = time_op(lambda y: fn(y, w, geometry=geometry), n, Kc)
                 rows.append(dict(label=label, qtype=qtype.name, geometry=geometry, us=t * 1e6, gbps=w.nbytes / t / 1e9))
                 line.append(f"{geometry} {w.nbytes / t / 1e9:5.0f}")
             log(f"  {label:26} {qtype.name}: " + "  ".join(line) + "  (GB/s)")
+            if qtype == T.Q4_K:
+                line = []
+                for geometry in Q8_SWEEP:
+                    os.environ["MUSE_MLX_Q8_GEOMETRY"] = geometry
+                    t = time_op(lambda y: K.mul_mv_q8(y, [(w, "q4_K")]), n, Kc)
+                    rows.append(dict(label=label, qtype="q4_K_q8", geometry=geometry, us=t * 1e6, gbps=w.nbytes / t / 1e9))
+                    line.append(f"{geometry} {w.nbytes / t / 1e9:5.0f}")
+                os.environ.pop("MUSE_MLX_Q8_GEOMETRY")
+                log(f"  {label:26} q8  : " + "  ".join(line) + "  (GB/s)")
             del w
     return rows
+
+
+def pick_geometries(sweep: list[dict]) -> dict:
+    """The fastest geometry per block type (total time over the swept shapes), set for this run."""
+    picks = {}
+    for qtype, env in (("Q4_K", "MUSE_MLX_MV_GEOMETRY"), ("Q6_K", "MUSE_MLX_MV_GEOMETRY_Q6K"),
+                       ("q4_K_q8", "MUSE_MLX_Q8_GEOMETRY")):
+        total: dict[str, float] = {}
+        for r in sweep:
+            if r["qtype"] == qtype:
+                total[r["geometry"]] = total.get(r["geometry"], 0.0) + r["us"]
+        if total:
+            picks[env] = min(total, key=total.get)
+            os.environ[env] = picks[env]
+    return picks
 
 
 # -- whole-model decode and prefill --------------------------------------------------------
@@ -201,29 +239,34 @@ def fill_cache(model, cache, n: int, rng) -> None:
 
 
 def dispatch_cost(n: int = 200) -> dict:
-    """Seconds per op of a chain of ``n`` dependent tiny ops: MLX adds, and custom kernels."""
-    x = mx.ones((256,))
-    mx.eval(x)
+    """Seconds per op of ``n`` tiny ops: a dependent chain and independent calls, of MLX adds and
+    of one custom kernel (llama's norm on 256 floats), each plain and under ``mx.compile``."""
+    xs = [mx.random.normal((1, 256)) for _ in range(n)]
+    mx.eval(xs)
 
-    def adds(v):
+    def add_chain(v):
         for _ in range(n):
             v = v + 1.0
         return v
 
-    def kernels_chain(v):
+    def kernel_chain(v):
         for _ in range(n):
-            v = K.kv_pack_f16(v, v)[0].astype(mx.float32)  # one kernel + one cast per step
+            v = K.rms_norm_mul(v, None)
         return v
 
+    def kernel_fan(*vs):
+        return [K.rms_norm_mul(v, None) for v in vs]
+
     out = {}
-    for name, fn in (("mlx_add", adds), ("custom_kernel+astype", kernels_chain)):
+    for name, fn, args in (("mlx add, chain", add_chain, xs[:1]), ("custom kernel, chain", kernel_chain, xs[:1]),
+                           ("custom kernel, independent", kernel_fan, xs)):
         for compiled in (False, True):
             f = mx.compile(fn) if compiled else fn
-            mx.eval(f(x))
+            mx.eval(f(*args))
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
-                mx.eval(f(x))
+                mx.eval(f(*args))
                 times.append(time.perf_counter() - t0)
             out[name + (" compiled" if compiled else "")] = statistics.median(times) / n
     return out
@@ -319,6 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-kernels", action="store_true", help="skip the per-kernel table")
     ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
+    ap.add_argument("--tune", action="store_true",
+                    help="sweep first, then run everything at the fastest geometries found (they change no bits)")
     ap.add_argument("--json", default=None, help="write every number to this JSON file")
     args = ap.parse_args(argv)
 
@@ -339,12 +384,16 @@ def main(argv=None) -> int:
     report["copy_tb_s"] = bw / 1e12
     log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s")
 
-    if args.sweep:
-        log("matvec bandwidth per launch geometry (NR0xNSG):")
+    if args.sweep or args.tune:
+        log("matvec bandwidth per launch geometry (NR0xNSG[xU]):")
         report["sweep"] = geometry_sweep(args.kernel_reps, rng)
-        if args.json:
-            Path(args.json).write_text(json.dumps(report, indent=1))
-        return 0
+        if args.sweep:
+            if args.json:
+                Path(args.json).write_text(json.dumps(report, indent=1))
+            return 0
+        report["tuned"] = pick_geometries(report["sweep"])
+        log(f"tuned geometries: {report['tuned']}")
+        mx.clear_cache()
     if K.backend() != "cpu":
         report["dispatch_cost_s"] = dispatch_cost()
         log("dispatch cost per op in a dependent chain: " +

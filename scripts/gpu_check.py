@@ -204,7 +204,7 @@ def check_geometries(rng, quick):
                 continue
             w = random_blocks(rows, k, qtype, rng)
             ref = gpu(fn, x, w, geometry="ggml")
-            for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8"):
+            for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "2x4x2", "4x2x2", "1x8x2"):
                 compare(f"mul_mv_{qtype.name}_f32 {geometry} == ggml 2x2", f"{rows}x{k} T=2",
                         gpu(fn, x, w, geometry=geometry), ref, note="all rows")
 
@@ -242,6 +242,19 @@ def check_decode_kernels(rng, quick):
         want = attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=probe("exp"))
         compare("attn_decode (partial + combine)", f"{h}x{hkv}x{d} cap {cap} win {window} pos {pos}", got, want,
                 note="device exp")
+    # the opt-in int8-activation kernel against its oracle (exact integer dots, then its float order)
+    wq, wq2 = q4(ff, D), q4(ff, D)
+    sel = mx.array(np.unique(np.r_[0:64, np.linspace(0, ff - 1, 64).astype(int)]))
+    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
+    compare("mul_mv_q4_K_q8 (opt-in mv_q8)", f"{ff}x{D}", got[..., sel], mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]),
+            note=f"{sel.size} rows")
+    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
+    want = ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]), mul_mv.mul_mv_q4_K_q8_oracle(x, wq2[sel]),
+                           exp=probe("exp"))
+    compare("mul_mv_q4_K_q8 glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
+    got = gpu(K.mul_mv_q8, x, ws)
+    want = mx.concatenate([(mul_mv.mul_mv_q4_K_q8_oracle if k == "q4_K" else mul_mv.ORACLES[k])(x, w) for w, k in ws], -1)
+    compare("mul_mv_q4_K_q8 multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
     k, v = randn(rng, 256), randn(rng, 256)
     compare("kv_pack_f16 == astype(f16)", "2x256", gpu(K.kv_pack_f16, k, v).astype(mx.float32),
             mx.stack([k, v]).astype(mx.float16).astype(mx.float32))

@@ -305,6 +305,7 @@ struct uint3 {
     T operator[](unsigned i) const { return const_cast<name&>(*this)[i]; } \
   };
 MUSE_VEC4(uint4, uint, 16)
+MUSE_VEC4(int4, int, 16)
 MUSE_VEC4(char4, char, 4)  // Metal's char4: as_type<char4>(uint) splits a word, x = byte 0
 // float4: Metal's component indexing and element-wise arithmetic, as prelude.cuh defines them.
 MUSE_VEC4(float4, float, 16)

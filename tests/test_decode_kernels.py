@@ -120,7 +120,7 @@ def test_kv_pack_rounds_to_nearest_even_f16():
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1"])
+@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1", "2x2x2", "1x4x3", "4x2x2"])
 @pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
 def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
     """NR0 rows per SIMD group and NSG groups per threadgroup change the launch, not the bits."""
@@ -174,3 +174,37 @@ def test_kv_pack_and_per_row_norm_kernels():
                                   np.array(K.kv_pack_f16(k, v)).view(np.uint16))
     x, w = arr(6, 128), arr(6, 128)
     assert_bits_equal(emulate_recorded(K.rms_norm_mul, x, w, 1e-6), rms_norm.rms_norm_mul_oracle(x, w, 1e-6, None, 32))
+
+
+# -- the opt-in int8-activation matvec (flag mv_q8) -----------------------------------------
+
+
+def test_q8_matvec_oracle_error_is_the_activation_quantization():
+    """Not exact by design: each activation is rounded to 1/254 of its 32-group's max |y|. Over a
+    768-term dot product the error relative to the row's largest output stays below 1 %."""
+    w, y = qrows(37, 768, "q4_K"), arr(2, 768)
+    ref = np.array(y, np.float64) @ gguf_dequantize(np.array(w), T.Q4_K).reshape(37, 768).astype(np.float64).T
+    got = np.array(mul_mv.mul_mv_q4_K_q8_oracle(y, w), np.float64)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert 1e-4 < err < 1e-2, err  # clearly not the exact kernel, and close to it
+
+
+def test_q8_quantization_rounds_half_away_from_zero():
+    y = mx.array(np.array([[127.0, 63.5, -63.5, 0.5 * 127 / 127, -1.0] + [0.0] * 27], F32))
+    q, d, s = mul_mv.quantize_q8(y)
+    assert float(d[0, 0]) == 1.0
+    assert np.array(q)[0, 0, :5].tolist() == [127, 64, -64, 1, -1] and int(s[0, 0]) == 127
+
+
+@emulator
+@pytest.mark.parametrize("rows,k,t", [(37, 768, 2), (16, 256, 1)])
+def test_q8_kernel(rows, k, t):
+    y = arr(t, k)
+    a, b, c = qrows(rows, k, "q4_K"), qrows(8, k, "q6_K"), qrows(rows, k, "q4_K")
+    got = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q6_K"), (c, "q4_K")])
+    want = mx.concatenate([mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.ORACLES["q6_K"](y, b),
+                           mul_mv.mul_mv_q4_K_q8_oracle(y, c)], axis=-1)
+    assert_bits_equal(got, want)
+    glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")], glu="silu")
+    assert_bits_equal(glu, ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.mul_mv_q4_K_q8_oracle(y, c),
+                                           exp=libm("expf")))

@@ -247,6 +247,8 @@ def record_all_kernels():
     K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K"), (q4, "q4_K")], which="record", geometry="4x2")
     K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
     K.mul_mv_glu(x, q6, q6, "q6_K", "gelu_tanh", which="record")
+    K.mul_mv_q8(x, [(q4, "q4_K"), (q6, "q6_K")], which="record")
+    K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", glu="gelu_tanh")
     K.dequantize_rows(q4, "q4_K", which="record")
     K.dequantize_rows(q6, "q6_K", which="record")
     K.rms_norm_mul(x, mx.ones((3, 512)), which="record")

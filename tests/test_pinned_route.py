@@ -36,6 +36,26 @@ def test_pinned_route_is_deterministic(tiny):
     np.testing.assert_array_equal(a.view(np.uint64), b.view(np.uint64))
 
 
+def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
+    """mv_q8 rounds every Q4_K matvec's input to int8 per 32 values (~0.4 % of a group's max):
+    the logits move visibly, far less than their spread, and the dispatches are the q8 ones."""
+    path = tiny("muse-glimmer")
+    base = logits(load_model(path, "pinned"))
+    model = load_model(path, "pinned", ["mv_q8"])
+    q8 = logits(model)
+    assert model.route.dispatches["mul_mv_q4_K_q8"] > 0
+    err = np.abs(q8 - base).max()
+    assert 1e-4 < err < 0.1 * base.std(), err
+    assert (q8.argmax(-1) == base.argmax(-1)).mean() >= 0.75
+    model.kv_dtype = mx.float16  # the decode path's planes
+    cache = model.make_cache()
+    model(mx.array([TOKENS[:5]]), cache)
+    model.route.dispatches.clear()
+    model(mx.array([[7]]), cache)
+    d = model.route.dispatches
+    assert d["mul_mv_q4_K_q8 (multi)"] == d["mul_mv_q4_K_q8 (glu)"] == model.cfg.n_layer
+
+
 @pytest.mark.parametrize("flag", ["tail_32sg", "ffn_4r2s"])
 def test_legacy_fusions_move_the_logits_slightly(tiny, flag):
     """The seeds' war stories in miniature: same tokens, different bits."""
@@ -78,7 +98,8 @@ def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
     assert d["attn_decode_partial + combine"] == 2 * L
     # attn_output and ffn_down per layer, and the head
     assert d["mul_mv_q4_K_f32"] + d["mul_mv_q6_K_f32"] == 2 * L + 1
-    assert sum(d.values()) == 2 + 10 * L + 1
+    assert d["dequant_rows"] == 1  # the token's embedding row
+    assert sum(d.values()) == 2 + 10 * L + 1 + 1
 
 
 def test_prefill_dispatches_one_matvec_per_matrix_unless_batched(tiny):
@@ -91,7 +112,7 @@ def test_prefill_dispatches_one_matvec_per_matrix_unless_batched(tiny):
     assert model.route.dispatches["dequant_matmul"] == 0
     with batched_prefill(model.route):
         batched = logits(model, TOKENS)
-    assert model.route.dispatches["dequant_matmul"] == 8 * model.cfg.n_layer
+    assert model.route.dispatches["dequant_matmul"] == 8 * model.cfg.n_layer + 1  # and the head
     # dequantize + matmul vs the ggml matvec: float32 rounding of the same products
     np.testing.assert_allclose(batched, exact, rtol=0, atol=3e-5)
     assert (batched != exact).any()

@@ -9,19 +9,19 @@
 // when CAP is the window, a plain buffer when CAP > pos).
 
 // ==== kernel: kv_pack_f16
-// The new token's K and V, rounded to f16 as llama.cpp stores them, side by side.
-// inputs: k, v [HKV*D] (float32), count [1]; outputs: kv [2, HKV*D] (float16)
+// The new token's K and V, rounded to f16 as llama.cpp stores them, side by side. They are read
+// where they already are (N values from offset KOFF of k, VOFF of v): no slicing op before.
+// inputs: k, v (float32); outputs: kv [2, N] (float16); templates N, KOFF, VOFF
     const uint i = thread_position_in_grid.x;
-    const uint n = count[0];
-    if (i < n) {
-        kv[i] = half(k[i]);
-        kv[n + i] = half(v[i]);
+    if (i < N) {
+        kv[i] = half(k[KOFF + i]);
+        kv[N + i] = half(v[VOFF + i]);
     }
 
 // ==== kernel: attn_decode_partial
 // One threadgroup per (split, KV head): the G query heads of that KV head against the split's
 // keys (at most CMAX of them). Writes the split's max score, sum of exp and unnormalized output.
-// inputs: q [HKV*G, D] (float32), kv [2, HKV, CAP, D] (float16), pos [1] (int32), geom [3]
+// inputs: q (its first HKV*G*D values, float32), kv [2, HKV, CAP, D] (float16), pos [1] (int32), geom [3]
 //         (int32: cap, window, splits), scale [1]
 // outputs: part_m, part_l [HKV, SPLITS, G], part_o [HKV, SPLITS, G, D]
 // grid (NT*SPLITS, HKV, 1), threadgroup (NT, 1, 1); templates G, D, NT, CMAX, HKV
@@ -105,8 +105,8 @@
 // ==== kernel: attn_decode_combine
 // The splits of one query head combined in order: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
 // then (GATE) the attention output gate o * (1 / (1 + exp(-g))), as ggml_sigmoid then ggml_mul.
-// inputs: part_m, part_l, part_o (as written above), gate [HKV*G*D], geom [3]
-// outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE
+// inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [3]
+// outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF
     const uint d = thread_position_in_threadgroup.x;
     const uint h = threadgroup_position_in_grid.y;
     const uint kvh = h / G, g = h % G;
@@ -121,5 +121,5 @@
         den = fma(w, part_l[p], den);
     }
     float o = num / den;
-    if (GATE) o = o * (1.0f / (1.0f + exp(-gate[h * D + d])));
+    if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + d])));
     out[h * D + d] = o;

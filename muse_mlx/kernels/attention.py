@@ -13,14 +13,14 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import fp
-from .backend import Kernel, backend
+from .backend import Kernel, backend, constant
 from .fp import CPU
 
 F32 = mx.float32
 CMAX = 128  # keys per split at most: splits = ceil(cap / CMAX)
 NT = 128  # threads of a partial-pass threadgroup
 
-_PACK = Kernel("attention", "kv_pack_f16", ["k", "v", "count"], ["kv"])
+_PACK = Kernel("attention", "kv_pack_f16", ["k", "v"], ["kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
                   ["part_m", "part_l", "part_o"])
 _COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom"], ["out"])
@@ -36,23 +36,30 @@ def decode_geometry(cap: int, window: int) -> mx.array:
     return mx.array([cap, window, splits_for(cap)], dtype=mx.int32)
 
 
-def kv_pack_f16(k: mx.array, v: mx.array, which=None) -> mx.array:
-    """``[2, n]`` float16: row 0 = k, row 1 = v (each flattened), rounded to nearest even."""
+def kv_pack_f16(k: mx.array, v: mx.array, n: int | None = None, k_offset: int = 0, v_offset: int = 0,
+                out_shape=None, which=None) -> mx.array:
+    """``[2, n]`` float16 (or ``out_shape``): ``n`` values of ``k`` from ``k_offset`` (flat), then of
+    ``v`` from ``v_offset``, rounded to nearest even. Defaults: all of ``k`` and ``v``."""
     which = which or backend()
-    k1, v1 = k.astype(F32).reshape(-1), v.astype(F32).reshape(-1)
-    n = k1.size
+    n = k.size if n is None else n
+    shape = (2, n) if out_shape is None else tuple(out_shape)
     if which == "cpu":
-        return mx.stack([k1, v1]).astype(mx.float16)
-    (kv,) = _PACK([k1, v1, mx.array([n], dtype=mx.uint32)], [(2, n)], [mx.float16], grid=(n, 1, 1),
-                  threadgroup=(min(256, n), 1, 1), template=None, which=which)
+        kk = k.astype(F32).reshape(-1)[k_offset : k_offset + n]
+        vv = v.astype(F32).reshape(-1)[v_offset : v_offset + n]
+        return mx.stack([kk, vv]).astype(mx.float16).reshape(shape)
+    (kv,) = _PACK([k.astype(F32), v.astype(F32)], [shape], [mx.float16], grid=(n, 1, 1),
+                  threadgroup=(min(256, n), 1, 1), template=[("N", n), ("KOFF", k_offset), ("VOFF", v_offset)],
+                  which=which)
     return kv
 
 
-def attn_decode_oracle(q, kv, pos: int, window: int, scale: float, gate=None, exp=fp.exp) -> mx.array:
+def attn_decode_oracle(q, kv, pos: int, window: int, scale: float, gate=None, exp=fp.exp, n_head=None) -> mx.array:
     """The kernels' float operations in their order, as array ops on the CPU. ``q [H, D]`` -> ``[H*D]``."""
     with mx.stream(CPU):
-        _, hkv, cap, d_head = kv.shape
-        h = q.shape[0]
+        hkv, cap, d_head = kv.shape[-3:]
+        kv = kv.reshape(2, hkv, cap, d_head)
+        h = q.shape[0] if n_head is None else n_head
+        q = q.reshape(-1)[: h * d_head].reshape(h, d_head)
         g_per = h // hkv
         splits = splits_for(cap)
         lo = max(0, pos - window + 1) if window > 0 else 0
@@ -86,32 +93,38 @@ def attn_decode_oracle(q, kv, pos: int, window: int, scale: float, gate=None, ex
         out = (num / den[..., None]).reshape(-1)
         if gate is not None:
             one = mx.array(1.0, F32)
-            out = out * (one / (one + exp(-gate.astype(F32).reshape(-1))))
+            out = out * (one / (one + exp(-gate.astype(F32).reshape(-1)[: h * d_head])))
         return out
 
 
-def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, which=None) -> mx.array:
-    """One token's attention (and gate): ``q [H, D]``, ``kv [2, HKV, cap, D]`` f16, ``pos`` int32 [1].
+def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, which=None, n_head=None,
+                gate_offset: int = 0, out_shape=None) -> mx.array:
+    """One token's attention (and gate): ``q [H, D]``, ``kv [2, (1,) HKV, cap, D]`` f16, ``pos`` int32 [1].
 
-    ``geom`` is :func:`decode_geometry` of the cache (cap, window, splits). Returns ``[H*D]`` float32.
+    ``geom`` is :func:`decode_geometry` of the cache (cap, window, splits). Returns ``[H*D]`` float32
+    (or ``out_shape``). The decode path passes arrays as they are, to spare a slice per input:
+    ``n_head`` heads are read from the start of ``q``, the gate from ``gate_offset`` of ``gate``.
     """
     which = which or backend()
-    _, hkv, cap, d_head = kv.shape
-    h = q.shape[0]
+    hkv, cap, d_head = kv.shape[-3:]
+    h = q.shape[0] if n_head is None else n_head
+    shape = (h * d_head,) if out_shape is None else tuple(out_shape)
     if which == "cpu":
         window = int(geom[1].item())
-        return attn_decode_oracle(q, kv, int(pos.reshape(-1)[0].item()), window, scale, gate)
+        g = None if gate is None else gate.reshape(-1)[gate_offset:]
+        out = attn_decode_oracle(q, kv, int(pos.reshape(-1)[0].item()), window, scale, g, n_head=h)
+        return out.reshape(shape)
     g_per = h // hkv
     splits = splits_for(cap)
     template = [("G", g_per), ("D", d_head), ("NT", NT), ("CMAX", CMAX), ("HKV", hkv)]
     part_m, part_l, part_o = _PARTIAL(
-        [q.astype(F32).reshape(h, d_head), kv, pos, geom, mx.array([scale], F32)],
+        [q.astype(F32), kv, pos, geom, constant(float(scale), F32)],
         [(hkv, splits, g_per), (hkv, splits, g_per), (hkv, splits, g_per, d_head)], [F32, F32, F32],
         grid=(NT * splits, hkv, 1), threadgroup=(NT, 1, 1), template=template, which=which,
     )
     (out,) = _COMBINE(
-        [part_m, part_l, part_o, q if gate is None else gate.astype(F32).reshape(-1), geom], [(h * d_head,)], [F32],
+        [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom], [shape], [F32],
         grid=(d_head, h, 1), threadgroup=(d_head, 1, 1),
-        template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None))], which=which,
+        template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset)], which=which,
     )
     return out

@@ -70,6 +70,18 @@ def backend() -> str:
     return "cpu"
 
 
+_CONSTANTS: dict[tuple, mx.array] = {}
+
+
+def constant(value, dtype=mx.float32) -> mx.array:
+    """A one-element array holding a kernel's scalar argument (an epsilon, a count), made once
+    per value: a fresh ``mx.array`` per call would be one more upload per dispatch."""
+    key = (value, dtype)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = mx.array([value], dtype=dtype)
+    return _CONSTANTS[key]
+
+
 _CUDA_TYPES = {
     mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
     mx.int8: "int8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",

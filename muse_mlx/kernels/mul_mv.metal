@@ -14,6 +14,17 @@
 // NVIDIA): v in the mantissa of 2^23, minus 2^23. Both steps are exact, so the value is float(v).
 MUSE_FN float u2f(uint v) { return as_type<float>(0x4B000000u | v) - 8388608.0f; }
 
+// c + the dot product of four unsigned bytes of a (0..255) with four signed bytes of b: one
+// dp4a instruction on NVIDIA, the same integer arithmetic byte by byte elsewhere (exact either way).
+MUSE_FN int dot4_i8(uint a, int b, int c) {
+#if defined(__CUDA_ARCH__)
+    return __dp4a(int(a), b, c);
+#else
+    return c + int(a & 0xFFu) * ((b << 24) >> 24) + int((a >> 8) & 0xFFu) * ((b << 16) >> 24)
+             + int((a >> 16) & 0xFFu) * ((b << 8) >> 24) + int(a >> 24) * (b >> 24);
+#endif
+}
+
 // One Q4_K block's contribution for lane (iq, ir), from its 16-byte header (d, dmin, 12 scale
 // bytes) and its two 8-byte quant runs, in ggml's order: nibbles stay in place (x1, x256, x16,
 // x4096) in four even/odd accumulators each, then d*(...) - dmin*(...).
@@ -64,9 +75,10 @@ MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const floa
 
 // Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
 // against one activation row y: the lane's values of y are loaded once per block and shared by
-// every row, and every row's weight loads are issued before any of them is used. Rows past the
-// end read the last row again (their sums are discarded by the caller).
-template <int NA, int NB>
+// every row, and the weight loads of U blocks (ib, ib+4, ...) of every row are issued before
+// any of them is used. Rows past the end read the last row again (the caller drops their sums).
+// Blocks are added to each row's sum in ggml's order whatever U is.
+template <int NA, int NB, int U>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
                            thread float* sumf) {
@@ -74,38 +86,49 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     const uint iq = (tiisg % 8) / 4;
     const uint ir = tiisg % 4;
     const uint qoff = 16u + 32u * iq + 8u * ir;
-    device const float4* y4 = (device const float4*)(y + ix * 256 + 64 * iq + 8 * ir);
-    for (int r = 0; r < NA + NB; ++r) sumf[r] = 0.0f;
-    for (uint ib = ix; ib < nb; ib += 4) {
-        uint4 hd[NA + NB];
-        uint2 qa[NA + NB];
-        uint2 qb[NA + NB];
-        for (int r = 0; r < NA + NB; ++r) {
-            device const uchar* blk = (r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes
-                                              : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes)
-                                      + (ulong)ib * 144u;
-            hd[r] = *(device const uint4*)blk;
-            qa[r] = *(device const uint2*)(blk + qoff);
-            qb[r] = *(device const uint2*)(blk + qoff + 64u);
+    device const uchar* row[NA + NB];
+    for (int r = 0; r < NA + NB; ++r) {
+        row[r] = r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes;
+        sumf[r] = 0.0f;
+    }
+    device const float* yb = y + ix * 256 + 64 * iq + 8 * ir;
+    for (uint ib = ix; ib < nb; ib += 4 * U) {
+        uint4 hd[U][NA + NB];
+        uint2 qa[U][NA + NB];
+        uint2 qb[U][NA + NB];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint jb = min(ib + 4u * u, nb - 1u);  // past the row's end: re-read, not used
+            for (int r = 0; r < NA + NB; ++r) {
+                device const uchar* blk = row[r] + (ulong)jb * 144u;
+                hd[u][r] = *(device const uint4*)blk;
+                qa[u][r] = *(device const uint2*)(blk + qoff);
+                qb[u][r] = *(device const uint2*)(blk + qoff + 64u);
+            }
         }
-        // yl = values 64iq+8ir+{0..7} and +32; yh = the same +128; sumy[k] sums each run of 8
-        float yl[16];
-        float yh[16];
-        const float4 v0 = y4[0], v1 = y4[1], v2 = y4[8], v3 = y4[9];
-        const float4 v4 = y4[32], v5 = y4[33], v6 = y4[40], v7 = y4[41];
-        for (int j = 0; j < 4; ++j) {
-            yl[j] = v0[j]; yl[j + 4] = v1[j]; yl[j + 8] = v2[j]; yl[j + 12] = v3[j];
-            yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (ib + 4u * u < nb) {  // not `break`: the loop must unroll, or hd/qa/qb go to local memory
+            // yl = values 64iq+8ir+{0..7} and +32; yh = the same +128; sumy[k] sums each run of 8
+            device const float4* y4 = (device const float4*)(yb + (ib - ix + 4u * u) * 256u);
+            float yl[16];
+            float yh[16];
+            const float4 v0 = y4[0], v1 = y4[1], v2 = y4[8], v3 = y4[9];
+            const float4 v4 = y4[32], v5 = y4[33], v6 = y4[40], v7 = y4[41];
+            for (int j = 0; j < 4; ++j) {
+                yl[j] = v0[j]; yl[j + 4] = v1[j]; yl[j + 8] = v2[j]; yl[j + 12] = v3[j];
+                yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
+            }
+            float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int j = 0; j < 8; ++j) {
+                sumy[0] += yl[j];
+                sumy[1] += yl[j + 8];
+                sumy[2] += yh[j];
+                sumy[3] += yh[j + 8];
+            }
+            for (int r = 0; r < NA + NB; ++r) sumf[r] += q4K_block(hd[u][r], qa[u][r], qb[u][r], iq, yl, yh, sumy);
+            }
         }
-        float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int j = 0; j < 8; ++j) {
-            sumy[0] += yl[j];
-            sumy[1] += yl[j + 8];
-            sumy[2] += yh[j];
-            sumy[3] += yh[j + 8];
-        }
-        for (int r = 0; r < NA + NB; ++r) sumf[r] += q4K_block(hd[r], qa[r], qb[r], iq, yl, yh, sumy);
-        y4 += 256;  // 4 blocks of 256 values
     }
 }
 
@@ -182,13 +205,13 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 }
 
 // The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K).
-template <int TYPE, int NR0>
+template <int TYPE, int NR0, int U>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
                       device const float* y, uint tiisg, thread float* sumf) {
     const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+        q4K_lane_sums<NR0, 0, U>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     } else {
         q6K_lane_sums<NR0, 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     }
@@ -196,14 +219,15 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 
 // ==== kernel: mul_mv_q4_K_f32
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
-// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2
+// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
+// U blocks of loads in flight per row (Q4_K)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
-    row_sums<0, NR0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    row_sums<0, NR0, U>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -211,14 +235,15 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 
 // ==== kernel: mul_mv_q6_K_f32
 // inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
-// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2
+// grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
+// U blocks of loads in flight per row (Q4_K)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     float sumf[NR0];
-    row_sums<1, NR0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    row_sums<1, NR0, U>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -253,9 +278,9 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     float sumf[NR0];
     device const float* yt = y + (ulong)t * K;
     if (type == 0) {
-        row_sums<0, NR0>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+        row_sums<0, NR0, U>(w, first_row, rows, K / 256, yt, tiisg, sumf);
     } else {
-        row_sums<1, NR0>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+        row_sums<1, NR0, U>(w, first_row, rows, K / 256, yt, tiisg, sumf);
     }
     const uint total_rows = R0 + R1 + R2 + R3;
     for (int r = 0; r < NR0; ++r) {
@@ -282,7 +307,7 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+        q4K_lane_sums<NR0, NR0, U>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     } else {
         q6K_lane_sums<NR0, NR0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     }
@@ -344,4 +369,130 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
         const uint low = (k < 2) ? (lb & 0xFu) : (lb >> 4);
         const uint high = (blk[128 + 32 * h + l] >> (2 * k)) & 3u;
         o[e] = scale * float(int(low | (high << 4)) - 32);
+    }
+
+// ==== kernel: mul_mv_q4_K_q8_multi
+// OPT-IN, NOT EXACT (pinned flag mv_q8): the activations are quantized to int8 per 32 values
+// (d = max|y|/127, q = round(y/d), as llama.cpp's CUDA quantize_q8_1 does) and every Q4_K
+// sub-block's dot product is an exact integer one (dp4a), scaled once:
+//   d*sc * (dy * sum(n*q)) - dmin*m * (dy * sum(q))
+// Lane l of a SIMD group takes the 32-byte quant runs p = l, l+32, ... of its rows (run p =
+// block p/4, sub-blocks 2(p%4) and 2(p%4)+1); each threadgroup quantizes y into threadgroup
+// memory first. Up to four matrices as mul_mv_multi_f32 (Y 0 Q4_K through q8, 1 Q6_K through
+// the exact kernel's lanes), or (GLU 1) gate and up rows with the activation ACT applied.
+// inputs: w0..w3, y [T, K]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
+// grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
+    const uint tiisg = thread_position_in_threadgroup.x;
+    const uint sgitg = thread_position_in_threadgroup.y;
+    const uint t = threadgroup_position_in_grid.z;
+    device const float* yt = y + (ulong)t * K;
+    threadgroup int4 qw[K / 16];    // the int8 activations, sixteen to an int4
+    threadgroup float qd[K / 32];   // each group's scale d
+    threadgroup int qs[K / 32];     // each group's sum of q
+    for (uint g = sgitg; g < K / 32; g += NSG) {
+        const float v = yt[32 * g + tiisg];
+        const float amax = simd_max(fabs(v));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        const int q = int(round(v * id));
+        const float sum = simd_sum(float(q));  // |sum| <= 32*127: exact
+        // pack the bytes of lanes 4k..4k+3 into word k (little-endian), four words to a lane 16j
+        uint word = (uint(q) & 0xFFu) << (8u * (tiisg % 4u));
+        word |= simd_shuffle_xor(word, 1u);
+        word |= simd_shuffle_xor(word, 2u);
+        const uint w1 = simd_shuffle_xor(word, 4u), w2 = simd_shuffle_xor(word, 8u), w3 = simd_shuffle_xor(word, 12u);
+        if (tiisg % 16u == 0) {
+            int4 packed;
+            packed.x = int(word); packed.y = int(w1); packed.z = int(w2); packed.w = int(w3);
+            qw[(32 * g + tiisg) / 16] = packed;
+        }
+        if (tiisg == 0) {
+            qd[g] = d;
+            qs[g] = int(sum);
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    const uint per_tg = NR0 * NSG;
+    const uint g0 = (R0 + per_tg - 1) / per_tg;
+    const uint g1 = (R1 + per_tg - 1) / per_tg;
+    const uint g2 = (R2 + per_tg - 1) / per_tg;
+    uint tg = threadgroup_position_in_grid.x;
+    device const uchar* w = w0;
+    uint rows = R0, out0 = 0, type = Y0;
+    if (GLU == 0) {
+        if (tg >= g0 + g1 + g2) {
+            tg -= g0 + g1 + g2; w = w3; rows = R3; out0 = R0 + R1 + R2; type = Y3;
+        } else if (tg >= g0 + g1) {
+            tg -= g0 + g1; w = w2; rows = R2; out0 = R0 + R1; type = Y2;
+        } else if (tg >= g0) {
+            tg -= g0; w = w1; rows = R1; out0 = R0; type = Y1;
+        }
+    }
+    const uint first_row = (tg * NSG + sgitg) * NR0;
+    if (first_row >= rows) return;
+    const uint nb = K / 256;
+    float sumf[2 * NR0];
+    if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
+        row_sums<1, NR0, 1>(w, first_row, rows, nb, yt, tiisg, sumf);
+    } else {
+        const uint row_bytes = nb * 144u;
+        device const uchar* rp[2 * NR0];
+        for (int r = 0; r < 2 * NR0; ++r) {
+            // GLU: rows 0..NR0-1 of the gate (w0), then the same rows of up (w1)
+            device const uchar* m = (GLU == 1 && r >= NR0) ? w1 : w;
+            const uint rr = min(first_row + uint(r % NR0), rows - 1u);
+            rp[r] = m + (ulong)rr * row_bytes;
+            sumf[r] = 0.0f;
+        }
+        const uint tq = tiisg % 4;  // the lane's run within a block: sub-blocks 2tq, 2tq+1
+        const uint sh = 8u * ((2u * tq) % 4u);
+        for (uint p = tiisg; p < nb * 4; p += 32) {
+            const uint b = p / 4;
+            const uint yq = 16 * b + 4 * tq;  // values 256b + 64tq .. +63
+            const int4 y0 = qw[yq], y1 = qw[yq + 1], y2 = qw[yq + 2], y3 = qw[yq + 3];
+            const float dy0 = qd[8 * b + 2 * tq], dy1 = qd[8 * b + 2 * tq + 1];
+            const float sy0 = float(qs[8 * b + 2 * tq]), sy1 = float(qs[8 * b + 2 * tq + 1]);
+            for (int r = 0; r < (GLU == 1 ? 2 : 1) * NR0; ++r) {
+                device const uchar* blk = rp[r] + (ulong)b * 144u;
+                const uint4 hd = *(device const uint4*)blk;
+                const uint4 qa = *(device const uint4*)(blk + 16 + 32 * tq);
+                const uint4 qb = *(device const uint4*)(blk + 32 + 32 * tq);
+                // get_scale_min_k4 for sub-blocks j = 2tq, 2tq+1 (bytes 8*(j%4) of the strip words)
+                const uint a0 = hd.y >> sh, a1 = hd.y >> (sh + 8);
+                const uint m0w = hd.z >> sh, m1w = hd.z >> (sh + 8);
+                const uint h0 = hd.w >> sh, h1 = hd.w >> (sh + 8);
+                const bool low = tq < 2;
+                const uint sc0 = low ? (a0 & 63u) : ((h0 & 0xFu) | (((a0 >> 6) & 3u) << 4));
+                const uint sc1 = low ? (a1 & 63u) : ((h1 & 0xFu) | (((a1 >> 6) & 3u) << 4));
+                const uint mn0 = low ? (m0w & 63u) : (((h0 >> 4) & 0xFu) | (((m0w >> 6) & 3u) << 4));
+                const uint mn1 = low ? (m1w & 63u) : (((h1 >> 4) & 0xFu) | (((m1w >> 6) & 3u) << 4));
+                int s0 = 0, s1 = 0;
+                s0 = dot4_i8(qa.x & 0x0F0F0F0Fu, y0.x, s0); s1 = dot4_i8((qa.x >> 4) & 0x0F0F0F0Fu, y2.x, s1);
+                s0 = dot4_i8(qa.y & 0x0F0F0F0Fu, y0.y, s0); s1 = dot4_i8((qa.y >> 4) & 0x0F0F0F0Fu, y2.y, s1);
+                s0 = dot4_i8(qa.z & 0x0F0F0F0Fu, y0.z, s0); s1 = dot4_i8((qa.z >> 4) & 0x0F0F0F0Fu, y2.z, s1);
+                s0 = dot4_i8(qa.w & 0x0F0F0F0Fu, y0.w, s0); s1 = dot4_i8((qa.w >> 4) & 0x0F0F0F0Fu, y2.w, s1);
+                s0 = dot4_i8(qb.x & 0x0F0F0F0Fu, y1.x, s0); s1 = dot4_i8((qb.x >> 4) & 0x0F0F0F0Fu, y3.x, s1);
+                s0 = dot4_i8(qb.y & 0x0F0F0F0Fu, y1.y, s0); s1 = dot4_i8((qb.y >> 4) & 0x0F0F0F0Fu, y3.y, s1);
+                s0 = dot4_i8(qb.z & 0x0F0F0F0Fu, y1.z, s0); s1 = dot4_i8((qb.z >> 4) & 0x0F0F0F0Fu, y3.z, s1);
+                s0 = dot4_i8(qb.w & 0x0F0F0F0Fu, y1.w, s0); s1 = dot4_i8((qb.w >> 4) & 0x0F0F0F0Fu, y3.w, s1);
+                const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
+                const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
+                sumf[r] += fma(d * float(sc0), dy0 * float(s0), -((dmin * float(mn0)) * (dy0 * sy0)));
+                sumf[r] += fma(d * float(sc1), dy1 * float(s1), -((dmin * float(mn1)) * (dy1 * sy1)));
+            }
+        }
+    }
+    if (GLU == 1) {
+        for (int r = 0; r < NR0; ++r) {
+            const float gate = simd_sum(sumf[r]);
+            const float up = simd_sum(sumf[NR0 + r]);
+            if (tiisg == 0 && first_row + r < rows) dst[(ulong)t * R0 + first_row + r] = apply_activation<ACT>(gate, up);
+        }
+    } else {
+        const uint total_rows = R0 + R1 + R2 + R3;
+        for (int r = 0; r < NR0; ++r) {
+            const float total = simd_sum(sumf[r]);
+            if (tiisg == 0 && first_row + r < rows) dst[(ulong)t * total_rows + out0 + first_row + r] = total;
+        }
     }

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from . import fp
 from ..quants import _k_scale_min
-from .backend import Kernel, backend
+from .backend import Kernel, backend, constant
 from .fp import CPU
 
 F32 = mx.float32
@@ -24,6 +24,14 @@ def _flat(y: mx.array, k: int) -> mx.array:
     if y.shape[-1] != k:
         raise ValueError(f"activations have {y.shape[-1]} columns, the weight {k}")
     return y.astype(F32).reshape(-1, k)
+
+
+def _tokens(y: mx.array, k: int) -> tuple[mx.array, int]:
+    """``y`` as a kernel reads it (rows of ``k``, any leading shape: no reshape, which would be
+    one more op per call) and its number of rows."""
+    if y.shape[-1] != k:
+        raise ValueError(f"activations have {y.shape[-1]} columns, the weight {k}")
+    return y.astype(F32), y.size // k
 
 
 class Q4KRows:
@@ -153,28 +161,34 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
         return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
 
 
-# Matvec geometries: rows per SIMD group (NR0) and SIMD groups per threadgroup (NSG). They
-# decide occupancy and load sharing, never bits (each row is one SIMD group's butterfly over
-# lanes whose sums do not depend on them). "ggml" is llama.cpp's; "tuned" is the one the
-# engine launches, per backend (measured: docs/performance.md).
-MV_GEOMETRIES = {"ggml": (2, 2), "tuned": {"cuda": (2, 4), "metal": (2, 2)}}
+# Matvec geometries: rows per SIMD group (NR0), SIMD groups per threadgroup (NSG), and blocks
+# of loads in flight per row (U, Q4_K only). They decide occupancy and load sharing, never bits
+# (each row is one SIMD group's butterfly over lanes whose sums do not depend on them). "ggml"
+# is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance.md).
+MV_GEOMETRIES = {
+    "ggml": (2, 2, 1),
+    "tuned": {"cuda": {"q4_K": (2, 4, 1), "q6_K": (2, 4, 1)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
+}
+_GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
 
 
-def mv_geometry(geometry: str, which: str) -> tuple[int, int]:
-    """``(NR0, NSG)`` of a named geometry or of ``"NR0xNSG"``; ``MUSE_MLX_MV_GEOMETRY`` overrides "tuned"."""
+def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int]:
+    """``(NR0, NSG, U)`` of a named geometry or of ``"NR0xNSG[xU]"``. "tuned" is per backend and
+    block type; ``MUSE_MLX_MV_GEOMETRY`` (Q4_K) and ``MUSE_MLX_MV_GEOMETRY_Q6K`` override it."""
     if "x" in geometry:
-        nr0, nsg = (int(v) for v in geometry.split("x"))
-        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32):
-            raise ValueError(f"matvec geometry {geometry!r}: NR0 must be 1..8 and NSG 1..32")
-        return nr0, nsg
+        parts = [int(v) for v in geometry.split("x")]
+        nr0, nsg, u = (parts + [1])[:3]
+        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and u in (1, 2, 3, 4) and len(parts) in (2, 3)):
+            raise ValueError(f"matvec geometry {geometry!r}: NR0 must be 1..8, NSG 1..32, U 1..4")
+        return nr0, nsg, u
     if geometry not in MV_GEOMETRIES:
         raise ValueError(f"unknown matvec geometry {geometry!r} (choose from {', '.join(MV_GEOMETRIES)})")
     g = MV_GEOMETRIES[geometry]
     if geometry == "tuned":
-        env = os.environ.get("MUSE_MLX_MV_GEOMETRY")
+        env = os.environ.get(_GEOMETRY_ENV[kind])
         if env:
             return mv_geometry(env.lower(), which)
-        return g.get(which, (2, 2))
+        return g.get(which, {}).get(kind, (2, 2, 1))
     return g
 
 
@@ -196,14 +210,13 @@ def _k_of(w: mx.array, kind: str) -> int:
 def _launch(kernel, y, w, block_bytes, which, geometry):
     R = w.shape[0]
     K = w.shape[1] // block_bytes * 256
-    y2 = _flat(y, K)
-    T = y2.shape[0]
-    nr0, nsg = mv_geometry(geometry, which)
+    y, T = _tokens(y, K)
+    nr0, nsg, u = mv_geometry(geometry, which, "q4_K" if block_bytes == 144 else "q6_K")
     (dst,) = kernel(
-        [w, y2], [(T, R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg)], which=which,
+        [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
+        template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u)], which=which,
     )
-    return dst.reshape(*y.shape[:-1], R)
+    return dst
 
 
 def mul_mv_q4_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
@@ -236,24 +249,22 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
         if _k_of(w, kind) != K:
             raise ValueError(f"mul_mv_multi: matrices read {K} and {_k_of(w, kind)} columns")
     which = which or backend()
-    y2 = _flat(y, K)
     if which == "cpu":
-        out = mx.concatenate([ORACLES[kind](y2, w) for w, kind in weights], axis=-1)
-        return out.reshape(*y.shape[:-1], out.shape[-1])
-    T = y2.shape[0]
-    nr0, nsg = mv_geometry(geometry, which)
+        return mx.concatenate([ORACLES[kind](y, w) for w, kind in weights], axis=-1)
+    y, T = _tokens(y, K)
+    nr0, nsg, u = mv_geometry(geometry, which)
     per_tg = nr0 * nsg
     mats = [w for w, _ in weights] + [weights[0][0]] * (4 - len(weights))  # absent slots: any array
     rows = [w.shape[0] for w, _ in weights] + [0] * (4 - len(weights))
     kinds = [k for _, k in weights] + ["q4_K"] * (4 - len(weights))
-    template = [("K", K), ("NR0", nr0), ("NSG", nsg)]
+    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u)]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
-        mats + [y2], [(T, sum(rows))], [F32], grid=(groups * 32, nsg, T),
+        mats + [y], [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T),
         threadgroup=(32, nsg, 1), template=template, which=which,
     )
-    return dst.reshape(*y.shape[:-1], sum(rows))
+    return dst
 
 
 def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None, geometry: str = "tuned") -> mx.array:
@@ -267,31 +278,123 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
     if which == "cpu":
         g, u = ORACLES[kind](y, w_gate), ORACLES[kind](y, w_up)
         return silu_oracle(g, u) if activation == "silu" else gelu_oracle(g, u)
+    y, T = _tokens(y, K)
+    nr0, nsg, u = mv_geometry(geometry, which, kind)
+    (dst,) = _GLU(
+        [w_gate, w_up, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
+        threadgroup=(32, nsg, 1),
+        template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
+                  ("NR0", nr0), ("NSG", nsg), ("U", u)], which=which,
+    )
+    return dst
+
+
+# -- the opt-in int8-activation matvec (flag mv_q8): NOT exact ---------------------------------
+
+
+def quantize_q8(y2: mx.array):
+    """Activations ``[T, K]`` -> ``(q [T, K/32, 32], d [T, K/32], s [T, K/32])`` as the kernel
+    quantizes them: d = max|y|/127, q = round(y * (1/d)) (half away from zero), s = sum q."""
+    with mx.stream(CPU):
+        T, K = y2.shape
+        g = y2.reshape(T, K // 32, 32)
+        amax = mx.max(mx.abs(g), axis=-1)
+        d = amax / mx.array(127.0, F32)
+        inv = mx.where(d != 0, mx.array(1.0, F32) / mx.where(d != 0, d, 1.0), 0.0)
+        x = (g * inv[..., None]).astype(mx.float64)  # the float32 product, rounded exactly in float64
+        q = mx.sign(x) * mx.floor(mx.abs(x) + 0.5)
+        return q, d, q.sum(axis=-1)
+
+
+def mul_mv_q4_K_q8_oracle(y, w) -> mx.array:
+    """The q8 kernel's operations in its order: per 32-value sub-block an exact integer dot, then
+    ``fma(d*sc, dy*sumi, -((dmin*m) * (dy*s)))``; lane l adds its runs l, l+32, ... (two
+    sub-blocks each) in order; then the butterfly."""
+    R, nb = w.shape[0], w.shape[1] // 144
+    K = nb * 256
     y2 = _flat(y, K)
     T = y2.shape[0]
-    nr0, nsg = mv_geometry(geometry, which)
-    (dst,) = _GLU(
-        [w_gate, w_up, y2], [(T, R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
-                  ("NR0", nr0), ("NSG", nsg)], which=which,
+    with mx.stream(CPU):
+        q, dy, sy = quantize_q8(y2)  # [T, nb*8, 32], [T, nb*8]
+        b = w.reshape(R, nb, 144)
+        d = fp.f16(b[..., 0:2])[None, :, :, None]  # [1, R, nb, 1]
+        dmin = fp.f16(b[..., 2:4])[None, :, :, None]
+        sc, m = (v.astype(F32)[None] for v in _k_scale_min(b[..., 4:16]))  # [1, R, nb, 8]
+        qs = b[..., 16:144].reshape(R, nb, 4, 32)
+        nib = mx.stack([qs & 0x0F, qs >> 4], axis=3).reshape(R, nb * 8, 32).astype(mx.float64)
+        sumi = (nib[None] * q.reshape(T, 1, nb * 8, 32)).sum(axis=-1)  # exact integers
+        sumi = sumi.astype(F32).reshape(T, R, nb, 8)
+        dyb, syb = dy.reshape(T, 1, nb, 8), sy.astype(F32).reshape(T, 1, nb, 8)
+        part = fp.fma(d * sc, dyb * sumi, -((dmin * m) * (dyb * syb)))  # [T, R, nb, 8]
+        runs = part.reshape(T, R, nb * 4, 2)
+        runs = fp.pad_axis(runs, 2, 32).reshape(T, R, -1, 32, 2)  # [T, R, k, lane, 2]
+        seq = runs.transpose(0, 1, 3, 2, 4).reshape(T, R, 32, -1)  # each lane's additions in order
+        lanes = fp.running_sum(seq, axis=-1)
+        return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
+
+
+_Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
+KERNELS += (_Q8,)
+Q8_GEOMETRY = {"cuda": (4, 8), "metal": (2, 4)}  # rows per SIMD group, SIMD groups per threadgroup
+
+
+def _q8_geometry(which: str) -> tuple[int, int]:
+    env = os.environ.get("MUSE_MLX_Q8_GEOMETRY")
+    if env:
+        nr0, nsg = (int(v) for v in env.lower().split("x"))
+        return nr0, nsg
+    return Q8_GEOMETRY.get(which, (2, 4))
+
+
+def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
+    """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8,
+    Q6_K through the exact lanes), concatenated; or, with ``glu`` an activation, two Q4_K
+    matrices (gate, up) and ``act(gate) * up``."""
+    from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
+
+    K = _k_of(*weights[0])
+    which = which or backend()
+    if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
+        raise ValueError("the q8 GLU takes two Q4_K matrices")
+    if which == "cpu":
+        outs = [(mul_mv_q4_K_q8_oracle if k == "q4_K" else ORACLES[k])(y, w) for w, k in weights]
+        if glu is not None:
+            return silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
+        return mx.concatenate(outs, axis=-1)
+    y, T = _tokens(y, K)
+    nr0, nsg = _q8_geometry(which)
+    per_tg = nr0 * nsg
+    rows = [w.shape[0] for w, _ in weights] + [0] * (4 - len(weights))
+    kinds = [k for _, k in weights] + ["q4_K"] * (4 - len(weights))
+    mats = [w for w, _ in weights] + [weights[0][0]] * (4 - len(weights))
+    if glu is not None:
+        rows = [rows[0], 0, 0, 0]
+    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("GLU", int(glu is not None)),
+                ("ACT", ACTIVATIONS[glu or "silu"])]
+    template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
+    groups = sum(-(-r // per_tg) for r in rows)
+    (dst,) = _Q8(
+        mats + [y], [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T), threadgroup=(32, nsg, 1),
+        template=template, which=which,
     )
-    return dst.reshape(*y.shape[:-1], R)
+    return dst
 
 
 def dequantize_rows(w: mx.array, kind: str, which=None) -> mx.array:
-    """Raw Q4_K/Q6_K rows -> float32 ``[R, K]``, bit-equal to gguf-py (one dispatch on a GPU)."""
+    """Raw Q4_K/Q6_K rows ``[..., row_bytes]`` -> float32 ``[..., K]``, bit-equal to gguf-py (one dispatch)."""
     from ..quants import dequantize
     from gguf import GGMLQuantizationType as T
 
     which = which or backend()
     if which == "cpu":
         return dequantize(w, T.Q4_K if kind == "q4_K" else T.Q6_K)
-    R, K = w.shape[0], _k_of(w, kind)
+    K = w.shape[-1] // BLOCK_BYTES[kind] * 256
     per = 32 if kind == "q4_K" else 16  # values per thread
-    n = R * K // per
+    n = w.size // BLOCK_BYTES[kind] * 256 // per
     kernel = _DEQ_Q4_K if kind == "q4_K" else _DEQ_Q6_K
     (out,) = kernel(
-        [w.reshape(-1), mx.array([n], dtype=mx.uint32)], [(R * K,)], [F32], grid=(n, 1, 1),
+        [w, constant(n, mx.uint32)], [(*w.shape[:-1], K)], [F32], grid=(n, 1, 1),
         threadgroup=(min(256, n), 1, 1), template=None, which=which,
     )
-    return out.reshape(R, K)
+    return out
+

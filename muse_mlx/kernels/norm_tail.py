@@ -63,14 +63,16 @@ KERNELS = (_DUAL_EPS, _32SG)
 
 
 def _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, template, which):
-    s2, n = _rows(src)
-    h2 = hidden.astype(F32).reshape(-1, n)
-    rows = s2.shape[0]
+    n = src.shape[-1]
+    if hidden.shape != src.shape:
+        raise ValueError(f"hidden {hidden.shape} and src {src.shape} differ")
+    rows = src.size // n
+    src, hidden = src.astype(F32), hidden.astype(F32)  # rows read in place: no reshape per call
     hid, out = kernel(
-        [h2, s2, w1.astype(F32), w2.astype(F32), _eps(eps1), _eps(eps2)], [s2.shape, s2.shape], [F32, F32],
+        [hidden, src, w1.astype(F32), w2.astype(F32), _eps(eps1), _eps(eps2)], [src.shape, src.shape], [F32, F32],
         grid=(rows * nth, 1, 1), threadgroup=(nth, 1, 1), template=template, which=which,
     )
-    return hid.reshape(src.shape), out.reshape(src.shape)
+    return hid, out
 
 
 def tail_dual_eps(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):

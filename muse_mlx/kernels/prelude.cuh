@@ -39,6 +39,12 @@ __device__ __forceinline__ float simd_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ uint simd_shuffle_xor(uint v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ float simd_max(float v) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
 // float4 with Metal's component indexing and element-wise arithmetic.
 struct __align__(16) muse_float4 {
   float x, y, z, w;

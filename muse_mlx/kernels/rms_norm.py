@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import fp
-from .backend import Kernel, backend
+from .backend import Kernel, backend, constant
 from .fp import CPU
 
 F32 = mx.float32
@@ -46,7 +46,7 @@ def _rows(x: mx.array) -> tuple[mx.array, int]:
 
 
 def _eps(eps: float) -> mx.array:
-    return mx.array([eps], dtype=F32)
+    return constant(float(eps), F32)
 
 
 # -- oracles -------------------------------------------------------------------------------
@@ -116,28 +116,43 @@ _MUL_F16 = Kernel("rms_norm", "mul_f16", ["x", "w", "count"], ["out"])
 KERNELS = (_RMS_NORM_MUL, _RMS_NORM_BATCH, _RMS_NORM_F16, _MUL_F16)
 
 
-def rms_norm_mul(x, w=None, eps: float = 1e-5, add=None, geometry: str = "llama", which=None) -> mx.array:
+def rms_norm_mul(x, w=None, eps: float = 1e-5, add=None, geometry: str = "llama", which=None, n=None,
+                 rows=None, out_shape=None) -> mx.array:
     """llama.cpp's RMSNorm: ``x*scale`` (no ``w``), ``(x*scale)*w``, or ``(x*scale)*w + add``.
 
     Rows are the last axis of ``x``; ``w`` is ``[N]``, or ``[rows, N]`` for one weight per row
     (every row's bits are the same as normalizing it alone); ``add`` has ``x``'s shape.
+    The decode path normalizes the first ``rows`` rows of ``n`` values of ``x`` as they lie
+    (``x`` flat, no slice), into ``out_shape``.
     """
-    x2, n = _rows(x)
+    n = x.shape[-1] if n is None else n
+    if n % 4 or n < 8:
+        raise ValueError(f"pinned norms need a row length that is a multiple of 4 and >= 8, got {n}")
     nth = norm_threads(n, geometry)
-    rows = x2.shape[0]
+    which = which or backend()
+    if rows is not None:
+        if rows * n > x.size or add is not None:
+            raise ValueError(f"{rows} rows of {n} do not fit in {x.size} values (or an add was given)")
+        shape = (rows, n) if out_shape is None else tuple(out_shape)
+        if which == "cpu":
+            x = x.reshape(-1)[: rows * n].reshape(rows, n)
+            return rms_norm_mul_oracle(x, w, eps, None, nth).reshape(shape)
+    else:
+        rows, shape = x.size // n, x.shape
     per_row = w is not None and w.ndim == 2
     if per_row and w.shape != (rows, n):
         raise ValueError(f"per-row weights {w.shape} do not match {rows} rows of {n}")
-    which = which or backend()
     if which == "cpu":
         return rms_norm_mul_oracle(x, w, eps, add, nth)
     mode = 1 if w is None else (3 if add is not None else 2)
-    inputs = [x2, x2 if w is None else w.astype(F32), x2 if add is None else add.astype(F32).reshape(-1, n), _eps(eps)]
+    # rows are read in place whatever the leading shape (a reshape would be one more op per call)
+    x = x.astype(F32)
+    inputs = [x, x if w is None else w.astype(F32), x if add is None else add.astype(F32), _eps(eps)]
     (out,) = _RMS_NORM_MUL(
-        inputs, [x2.shape], [F32], grid=(rows * nth, 1, 1), threadgroup=(nth, 1, 1),
+        inputs, [shape], [F32], grid=(rows * nth, 1, 1), threadgroup=(nth, 1, 1),
         template=[("N", n), ("NTH", nth), ("MODE", mode), ("WROW", int(per_row))], which=which,
     )
-    return out.reshape(x.shape)
+    return out
 
 
 def rms_norm_batch(x, w, eps: float = 1e-5, which=None) -> mx.array:
