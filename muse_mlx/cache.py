@@ -66,7 +66,10 @@ class _Planes:
         self.kv[:, :, :, slot : slot + T, :] = mx.stack([k, v])
 
     def write_token(self, kv16: mx.array, slot) -> None:
-        """The decode path's write: ``kv16 [2, B, H, 1, D]`` into one slot (an int or an int32 [1] array)."""
+        """The decode path's write: ``kv16 [2, B, H, 1, D]`` into one slot (an int or an int32 [1] array).
+
+        An array slot is not bounds-checked by MLX (an out-of-range one writes past the planes):
+        callers pass ``self.slot(position)`` for a position below the reserved capacity."""
         if isinstance(slot, int):
             self.kv[:, :, :, slot : slot + 1, :] = kv16
         else:

@@ -251,10 +251,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     p.add_argument("--route", default="stock", help="'stock' (MLX's ops) or 'pinned' (reference-order kernels) (default: %(default)s)")
     p.add_argument("--flag", action="append", default=[], dest="flags", metavar="NAME",
-                   help="opt-in pinned-route kernel, repeatable: tail_32sg, ffn_4r2s, split_norm_f16")
+                   help="opt-in pinned-route kernel, repeatable: tail_32sg, ffn_4r2s, split_norm_f16, mv_q8")
     p.add_argument("--system-prompt", default=None, help="a system message for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true", help="encode the prompt as raw text (with the file's BOS rule)")
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP, help="prompt tokens per prefill chunk (default: %(default)s)")
+    p.add_argument("--prefill", choices=PREFILL_MODES, default="batched",
+                   help="'batched': the prompt through matmuls (pinned: exact dequantization + MLX matmul); "
+                        "'exact': the route's one-token kernels for every prompt token (default: %(default)s)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="decode without mx.compile (by default the decode step is one compiled graph on a GPU)")
     p.add_argument("--verbose", type=_str2bool, default=True, help="True: stream text and print statistics; False: print only the text (default: True)")
     return p
 
@@ -312,7 +317,8 @@ def _run(args) -> int:
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
     try:
         text = generate(model, tokenizer, ids, verbose=args.verbose, max_tokens=args.max_tokens,
-                        sampler=sampler, prefill_step_size=args.prefill_step_size)
+                        sampler=sampler, prefill_step_size=args.prefill_step_size, prefill=args.prefill,
+                        compiled=False if args.no_compile else None)
     except KeyboardInterrupt:
         print("\n[muse_mlx] interrupted", file=sys.stderr)
         return 130

@@ -46,7 +46,10 @@ from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E
 from muse_mlx.quants import to_affine  # noqa: E402
 from muse_mlx.routes import PINNED_FLAGS  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
-from muse_mlx.writer import MUSE_GLIMMER_30B  # noqa: E402
+from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
+
+TINY_GEOMETRY = Geometry(n_layer=4, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_ctx=1024,
+                         sliding_window=8, rms_eps=1e-5)
 
 # llama.cpp's own CUDA build on this H200 (commit 0c1e570; the issue's measurements)
 LLAMA_CPP_H200 = {"decode_fa": 92.7, "decode_no_fa": 85.7, "prefill_512": 2900.0}
@@ -226,6 +229,57 @@ def pick_geometries(sweep: list[dict]) -> dict:
     return picks
 
 
+def breakdown_table(g, reps: int, rng) -> list[dict]:
+    """Where a token's time goes besides the big matvecs, and what a prefill chunk is made of:
+    every small decode kernel of one layer alone, and a prefill matrix's dequantization and matmul."""
+    D, H, Hkv, hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
+    rows = []
+
+    def add(name, fn, width, nbytes=0):
+        t = time_op(fn, reps, width)
+        rows.append(dict(op=name, us=t * 1e6, gbps=nbytes / t / 1e9 if nbytes else None))
+        log(f"  {name:60} {t * 1e6:9.1f} us" + (f"  {nbytes / t / 1e9:7.0f} GB/s" if nbytes else ""))
+
+    w1, w2 = mx.ones((D,)), mx.ones((D,))
+    h = mx.random.normal((1, 1, D))
+    add("tail_dual_eps (post-norm + residual + next norm)", lambda y: K.tail_dual_eps(h, y.reshape(1, 1, D), w1, w2,
+                                                                                       1e-8, 1e-5, "seeds")[1], D)
+    qkw = mx.ones((H + Hkv, hd))
+    add("rms_norm_mul, the Q- and K-norms of a token", lambda y: K.rms_norm_mul(y, qkw, 1e-5, n=hd, rows=H + Hkv,
+                                                                                out_shape=(1, H + Hkv, 1, hd)), (H + Hkv) * hd)
+    add("mx.fast.rope over the Q and K heads", lambda y: mx.fast.rope(y.reshape(1, H + Hkv, 1, hd), hd,
+                                                                      traditional=True, base=10000.0, scale=1.0,
+                                                                      offset=mx.array([100], dtype=mx.int32)),
+        (H + Hkv) * hd)
+    add("kv_pack_f16", lambda y: K.kv_pack_f16(y, y, Hkv * hd, 0, Hkv * hd), 2 * Hkv * hd)
+    for ctx, cap, window in ((128, 8192, 0), (4096, 8192, 0), (4096, 4096, 4096)):
+        kv = (0.5 * mx.random.normal((2, 1, Hkv, cap, hd))).astype(mx.float16)
+        geom = K.attention.decode_geometry(cap, window)
+        pos = mx.array([ctx], dtype=mx.int32)
+        add(f"attn_decode partial + combine, ctx {ctx}, cap {cap}",
+            lambda y, kv=kv, geom=geom, pos=pos: K.attn_decode(y, kv, pos, geom, hd ** -0.5, y, n_head=H), H * hd,
+            2 * Hkv * (ctx + 1) * hd * 2)
+        slot = mx.array([ctx % cap], dtype=mx.int32)  # in range: MLX does not check a dynamic start
+        add(f"slice_update of one token into planes of cap {cap}",
+            lambda y, kv=kv, slot=slot: mx.slice_update(kv, y.reshape(2, 1, Hkv, 1, hd).astype(mx.float16), slot,
+                                                        axes=(3,)), 2 * Hkv * hd)
+    # a prefill chunk: the exact dequantization of one FFN matrix, then matmuls of 512 tokens
+    wq = random_blocks(g.n_ff, D, T.Q4_K, rng)
+    add(f"dequantize_rows (prefill) {g.n_ff}x{D} Q4_K -> f32", lambda y: K.dequantize_rows(wq, "q4_K") + y[0, 0], D,
+        wq.nbytes + g.n_ff * D * 4)
+    wf = K.dequantize_rows(wq, "q4_K")
+    x = mx.random.normal((512, D))
+    mx.eval(wf, x)
+    flops = 2 * 512 * D * g.n_ff
+    for name, a, b in (("f32 (TF32 unless MLX_ENABLE_TF32=0)", x, wf), ("f16 operands", x.astype(mx.float16), wf.astype(mx.float16))):
+        mx.eval(a, b)
+        t = time_op(lambda y, a=a, b=b: (a + y[0, 0].astype(a.dtype)) @ b.T, max(2, reps // 4), D)
+        label = f"matmul 512x{D} @ {D}x{g.n_ff} {name}"
+        rows.append(dict(op=label, us=t * 1e6, tflops=flops / t / 1e12))
+        log(f"  {label:60} {t * 1e6:9.1f} us  {flops / t / 1e12:7.1f} TFLOP/s")
+    return rows
+
+
 # -- whole-model decode and prefill --------------------------------------------------------
 
 
@@ -351,6 +405,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", default=None, help="synthetic checkpoint path (made if missing; default: in the temp dir)")
     ap.add_argument("--small", action="store_true", help="a 4-layer geometry of the same family (for a CPU)")
+    ap.add_argument("--tiny", action="store_true", help="the test suite's 4 x 256 geometry (a smoke test in seconds)")
     ap.add_argument("--routes", default="pinned,stock", help="routes to measure, comma-separated (default: %(default)s)")
     ap.add_argument("--flags", default=None,
                     help="pinned flag sets, comma-separated, '+' within a set, '' for none (default: none, then each flag)")
@@ -368,7 +423,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     g, vocab = (SMALL_GEOMETRY, SMALL_VOCAB) if args.small else (MUSE_GLIMMER_30B, RELEASE_VOCAB)
-    if args.small:
+    if args.tiny:
+        g, vocab = TINY_GEOMETRY, 2048
+    if args.small or args.tiny:
         args.contexts = ",".join(str(min(int(c), 512)) for c in args.contexts.split(","))
     rng = np.random.default_rng(0)
     report: dict = dict(
@@ -380,7 +437,7 @@ def main(argv=None) -> int:
     )
     if K.backend() == "cuda":
         report["gpu"] = os.popen("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader").read().strip()
-    bw = copy_bandwidth(1 << 30 if not args.small else 1 << 27)
+    bw = copy_bandwidth(1 << 24 if args.tiny else 1 << 27 if args.small else 1 << 30)
     report["copy_tb_s"] = bw / 1e12
     log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s")
 
@@ -401,9 +458,12 @@ def main(argv=None) -> int:
     if not args.skip_kernels:
         log("per-kernel timings (one token):")
         report["kernels"] = kernel_table(g, vocab, args.kernel_reps, rng)
+        log("the small decode kernels, and a prefill matrix:")
+        report["breakdown"] = breakdown_table(g, args.kernel_reps, rng)
         mx.clear_cache()
 
-    path = Path(args.file or Path(tempfile.gettempdir()) / ("muse-glimmer-synthetic" + ("-small" if args.small else "") + ".gguf"))
+    size = "-tiny" if args.tiny else "-small" if args.small else ""
+    path = Path(args.file or Path(tempfile.gettempdir()) / f"muse-glimmer-synthetic{size}.gguf")
     t0 = time.perf_counter()
     ensure_synthetic(path, g, vocab, "q4_k_m", 0)
     file_bytes = path.stat().st_size

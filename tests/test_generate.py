@@ -127,3 +127,23 @@ def test_pinned_and_stock_generate_the_same_greedy_tokens(tiny):
     stock, tok = load(path, "stock")
     pinned, _ = load(path, "pinned")
     assert generate(stock, tok, "The quick", max_tokens=8) == generate(pinned, tok, "The quick", max_tokens=8)
+
+
+def test_cli_prefill_modes_and_q8_flag(tiny):
+    """--prefill exact keeps the one-token kernels for the prompt; both modes generate, as does mv_q8."""
+    for extra in (["--prefill", "exact"], ["--prefill", "batched", "--no-compile"], ["--flag", "mv_q8"]):
+        r = _cli("--model", str(tiny("muse-glimmer")), "--route", "pinned", "--prompt", "Hello there, world",
+                 "--ignore-chat-template", "--max-tokens", "3", *extra)
+        assert r.returncode == 0, r.stderr
+        assert any(line.startswith("Generation: 3 tokens") for line in r.stdout.splitlines())
+
+
+def test_exact_and_batched_prefill_give_the_same_greedy_tokens(tiny):
+    """Batched prefill changes the prompt's rounding (matmul instead of matvec), not its meaning."""
+    model, tok = load(tiny("muse-glimmer"), "pinned")
+    prompt = mx.array(tok.encode("The quick brown fox jumps over the lazy dog"))
+    exact = [t for t, _ in generate_step(prompt, model, max_tokens=6, prefill="exact")]
+    batched = [t for t, _ in generate_step(prompt, model, max_tokens=6, prefill="batched")]
+    assert exact == batched
+    with pytest.raises(RequestError, match="prefill must be one of"):
+        next(generate_step(prompt, model, prefill="fast"))

@@ -167,7 +167,10 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
 # is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance.md).
 MV_GEOMETRIES = {
     "ggml": (2, 2, 1),
-    "tuned": {"cuda": {"q4_K": (2, 4, 1), "q6_K": (2, 4, 1)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
+    # H200, 2026-12-01 (bench.py --tune): twelve geometries within about +-10 % of each other for
+    # Q4_K, ggml's among the fastest; Q6_K gains ~20 % on ffn_down and 5 % on the head at 4x4.
+    # Metal: unmeasured, so ggml's.
+    "tuned": {"cuda": {"q4_K": (2, 2, 1), "q6_K": (4, 4, 1)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
 }
 _GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
 
@@ -335,7 +338,8 @@ def mul_mv_q4_K_q8_oracle(y, w) -> mx.array:
 
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 KERNELS += (_Q8,)
-Q8_GEOMETRY = {"cuda": (4, 8), "metal": (2, 4)}  # rows per SIMD group, SIMD groups per threadgroup
+# rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
+Q8_GEOMETRY = {"cuda": (8, 8), "metal": (2, 4)}
 
 
 def _q8_geometry(which: str) -> tuple[int, int]:

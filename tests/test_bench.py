@@ -1,0 +1,38 @@
+"""scripts/bench.py end to end on a tiny synthetic checkpoint (a smoke test: speed is measured
+on a GPU, see docs/performance.md): every section runs and its numbers are consistent."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import bench  # noqa: E402
+
+
+def test_bench_reports_every_route_and_flag(tmp_path):
+    out = tmp_path / "r.json"
+    rc = bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--skip-kernels", "--tokens", "2", "--runs", "1",
+                     "--prefill", "8", "--contexts", "4,12", "--flags", ",mv_q8", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["copy_tb_s"] > 0 and r["geometry"]["layers"] == 4
+    names = [e["route"] for e in r["routes"]]
+    assert names == ["pinned", "pinned+mv_q8", "stock"]
+    L = r["geometry"]["layers"]
+    for e in r["routes"]:
+        assert e["file_bytes"] == (tmp_path / "t.gguf").stat().st_size
+        # pinned reads the file's raw blocks (all but the embedding); stock its 6-bit affine repack
+        assert 0 < e["weight_bytes"] < (e["file_bytes"] if e["route"].startswith("pinned") else 2 * e["file_bytes"])
+        assert [d["ctx"] for d in e["decode"]] == [4, 12]
+        for d in e["decode"]:
+            assert d["tok_s"] > 0
+            assert d["tb_s"] == pytest.approx(e["weight_bytes"] * d["tok_s"] / 1e12)
+            assert d["of_copy"] == pytest.approx(d["tb_s"] / r["copy_tb_s"])
+    # the pinned decode path's accounting (tests/test_pinned_route.py): 2 + 10 per layer + head + embedding
+    assert r["routes"][0]["dispatches"]["route_ops"] == 2 + 10 * L + 2
+    assert r["routes"][0]["prefill_tok_s"] > 0 and r["routes"][2]["prefill_tok_s"] > 0
