@@ -48,7 +48,7 @@ PARAMS_KEY = "muse_mlx.synthetic"  # JSON of the parameters; llama.cpp ignores u
 FORMAT_VERSION = 1  # bump when the bytes written for the same parameters change
 
 RELEASE_VOCAB = 202048
-# A CPU-sized member of the same shape family (bench_decode.py --small's layers, heads and widths).
+# A CPU-sized member of the same shape family (bench.py --small).
 SMALL_GEOMETRY = Geometry(
     n_layer=4, n_embd=1024, n_ff=3072, n_head=8, n_head_kv=2, head_dim=128, n_ctx=8192,
     sliding_window=4096, rms_eps=1e-5,
