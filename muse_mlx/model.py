@@ -103,7 +103,7 @@ class Block(nn.Module):
             o = tap("attn_gated", route.attn_gate(o, gate), il)
         return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 
-    def decode_attention(self, a: mx.array, route: Route, cache, kv_dtype, pos: mx.array, slot) -> mx.array:
+    def decode_attention(self, a: mx.array, route: Route, cache, pos: mx.array, slot) -> mx.array:
         """One new token (batch 1) straight into the cache planes, in as few dispatches as the route has.
 
         The four projections are one matvec dispatch, the Q- and K-norms one norm dispatch, RoPE
@@ -160,7 +160,7 @@ class Block(nn.Module):
     def __call__(self, hidden, a, route: Route, mask, cache, next_norm: Norm, kv_dtype=mx.float16, decode=None):
         il, last = self.layer, self.layer + 1 == self.cfg.n_layer
         if decode is not None:
-            o = self.decode_attention(a, route, cache, kv_dtype, *decode)
+            o = self.decode_attention(a, route, cache, *decode)
         else:
             o = self.attention(a, route, mask, cache, kv_dtype)
         post = self.post_attention_norm if self.cfg.post_norm_eps is not None else None
@@ -248,7 +248,7 @@ class Model(nn.Module):
         if last_only:
             a = a[:, -1:, :]
         logits = route.linear(a, self.output)
-        if cfg.logit_scale is not None:
+        if cfg.logit_scale is not None and cfg.logit_scale != 1.0:  # x * 1.0 is x: one op fewer
             logits = logits * np.float32(cfg.logit_scale)
         if cfg.final_softcap is not None:
             c = np.float32(cfg.final_softcap)
