@@ -112,6 +112,22 @@ def synthetic_vocab(size: int) -> Vocab:
 # -- random blocks ----------------------------------------------------------------------------
 
 
+def _valid_scales(out: np.ndarray, qtype: T) -> None:
+    """Random bytes -> valid blocks: every f16 scale field mapped into SCALE_RANGE (in place)."""
+    lo, hi = _SCALE_BYTES[qtype]
+    fields = out.reshape(-1, FORMATS[qtype].type_size)[:, lo:hi].view(np.uint16)
+    fields[...] = _SCALE_TABLE[fields]
+
+
+def random_blocks(rows: int, cols: int, qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """``[rows, row_bytes]`` uint8 of random valid ``qtype`` blocks, the file's kind of weights,
+    for timing and geometry checks that need a matrix but no file."""
+    out = rng.integers(0, 256, size=rows * (cols // FORMATS[qtype].block_size) * FORMATS[qtype].type_size,
+                       dtype=np.uint8)
+    _valid_scales(out, qtype)
+    return out.reshape(rows, -1)
+
+
 class _RandomSource:
     """Seeded random bytes: one pool drawn once, tensors filled from windows at random offsets."""
 
@@ -131,9 +147,7 @@ class _RandomSource:
     def quantized(self, out: np.ndarray, qtype: T) -> None:
         """Random blocks of ``qtype`` whose f16 scale fields are small, positive and finite."""
         self.fill(out)
-        lo, hi = _SCALE_BYTES[qtype]
-        fields = out.reshape(-1, FORMATS[qtype].type_size)[:, lo:hi].view(np.uint16)
-        fields[...] = _SCALE_TABLE[fields]
+        _valid_scales(out, qtype)
 
     def floats(self, out: np.ndarray, rows: int, cols: int, dtype) -> np.ndarray:
         """A float matrix (the f32/f16 mixes) of uniform values with variance 1/cols, as matvecs want."""

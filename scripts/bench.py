@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from muse_mlx import kernels as K  # noqa: E402
-from muse_mlx import load_model  # noqa: E402
+from muse_mlx import load_model, synthetic  # noqa: E402
 from muse_mlx.decode import DecodeStep  # noqa: E402
 from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E402
 from muse_mlx.quants import to_affine  # noqa: E402
@@ -53,7 +53,6 @@ TINY_GEOMETRY = Geometry(n_layer=4, n_embd=256, n_ff=512, n_head=4, n_head_kv=2,
 
 # llama.cpp's own CUDA build on this H200 (commit 0c1e570; the issue's measurements)
 LLAMA_CPP_H200 = {"decode_fa": 92.7, "decode_no_fa": 85.7, "prefill_512": 2900.0}
-BLOCK = {T.Q4_K: 144, T.Q6_K: 210}
 
 
 def log(*a):
@@ -85,16 +84,8 @@ def copy_bandwidth(n_bytes: int) -> float:
 
 
 def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
-    """Valid raw blocks: random quants and scales, small finite f16 super-scales."""
-    nb = k // 256
-    raw = rng.integers(0, 256, size=(rows, nb, BLOCK[qtype]), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, size=(rows, nb)).astype(np.float16).view(np.uint8).reshape(rows, nb, 2)
-    if qtype == T.Q4_K:
-        raw[..., 0:2] = d
-        raw[..., 2:4] = d
-    else:
-        raw[..., 208:210] = d
-    out = mx.array(raw.reshape(rows, nb * BLOCK[qtype]))
+    """Valid raw blocks on the device (``muse_mlx.synthetic.random_blocks``)."""
+    out = mx.array(synthetic.random_blocks(rows, k, qtype, rng))
     mx.eval(out)
     return out
 

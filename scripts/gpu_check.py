@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from muse_mlx import kernels as K  # noqa: E402
+from muse_mlx import synthetic  # noqa: E402
 from muse_mlx.compare import ulp_distance  # noqa: E402
 from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
 from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
@@ -185,13 +186,8 @@ def check_ffn(rng, quick):
 
 
 def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
-    """Valid raw blocks without a quantizer (fast at 202,048 rows): random bytes, small f16 scales."""
-    size = 144 if qtype == T.Q4_K else 210
-    raw = rng.integers(0, 256, size=(rows, k // 256, size), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-    for off in ((0, 2) if qtype == T.Q4_K else (208,)):
-        raw[..., off : off + 2] = d
-    return mx.array(raw.reshape(rows, -1))
+    """Valid raw blocks without a quantizer (fast at 202,048 rows)."""
+    return mx.array(synthetic.random_blocks(rows, k, qtype, rng))
 
 
 def check_geometries(rng, quick):

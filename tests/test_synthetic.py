@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
 
 from muse_mlx import load
 from muse_mlx import synthetic
@@ -212,3 +213,16 @@ def test_llama_cpp_loads_evaluates_and_tokenizes_like_us(tmp_path):
     llm.eval(ids)
     logits = np.array(llm.scores[: len(ids)])
     assert logits.shape == (len(ids), 70000) and np.isfinite(logits).all()
+
+
+def test_random_blocks_without_a_file_are_valid():
+    """The benchmark's and GPU check's in-memory matrices: the file's kind of blocks."""
+    rng = np.random.default_rng(5)
+    for qtype in (T.Q4_K, T.Q6_K):
+        raw = synthetic.random_blocks(7, 512, qtype, rng)
+        assert raw.shape == (7, 2 * FORMATS[qtype].type_size) and raw.dtype == np.uint8
+        values = gguf_dequantize(raw, qtype)
+        assert np.isfinite(values).all() and np.abs(values).max() > 0
+        lo, hi = synthetic._SCALE_BYTES[qtype]
+        scales = raw.reshape(-1, FORMATS[qtype].type_size)[:, lo:hi].copy().view(np.float16).astype(np.float32)
+        assert (scales >= synthetic.SCALE_RANGE[0] * 0.999).all() and (scales <= synthetic.SCALE_RANGE[1] * 1.001).all()
