@@ -42,18 +42,13 @@ class _Planes:
     def nbytes(self) -> int:
         return 0 if self.kv is None else self.kv.nbytes
 
-    def _allocate(self, like: mx.array, capacity: int) -> None:
-        """Planes of ``capacity`` slots shaped after ``like [B, H, T, D]`` (old contents kept)."""
-        B, H, _, D = like.shape
-        self._allocate_shape(B, H, D, like.dtype, capacity)
-
     def reserve_for(self, cfg, total: int, dtype=mx.float16) -> None:
         """Batch-1 planes with room for ``total`` positions (the decode path's allocation)."""
-        if self.kv is None or total > self.capacity:
-            like = mx.zeros((1, cfg.n_head_kv, 1, cfg.head_dim), dtype=dtype)
-            self.reserve(like, total)
+        self.reserve((1, cfg.n_head_kv, cfg.head_dim), dtype, total)
 
-    def _allocate_shape(self, B: int, H: int, D: int, dtype, capacity: int) -> None:
+    def _allocate(self, shape: tuple[int, int, int], dtype, capacity: int) -> None:
+        """Planes of ``capacity`` slots for ``shape = (B, H, D)`` (old contents kept)."""
+        B, H, D = shape
         grown = mx.zeros((2, B, H, capacity, D), dtype=dtype)
         if self.kv is not None:
             grown[:, :, :, : self.capacity, :] = self.kv
@@ -84,6 +79,12 @@ class _Planes:
         return self._geometry
 
 
+def _plane_shape(k: mx.array) -> tuple[int, int, int]:
+    """``(B, H, D)`` of K/V ``[B, H, T, D]``."""
+    B, H, _, D = k.shape
+    return B, H, D
+
+
 class KVCache(_Planes):
     """Global layers: all positions, in a buffer grown ``step`` slots at a time (or reserved once)."""
 
@@ -98,18 +99,17 @@ class KVCache(_Planes):
         """Past positions the next update will attend to."""
         return self.offset
 
-    def reserve(self, like: mx.array, total: int) -> None:
-        """Make room for ``total`` positions now, so that decoding never reallocates."""
+    def reserve(self, shape: tuple[int, int, int], dtype, total: int) -> None:
+        """Make room for ``total`` positions of ``shape = (B, H, D)`` now, so decoding never reallocates."""
         if total > self.capacity:
-            self._allocate(like, -(-total // self.step) * self.step)
+            self._allocate(shape, dtype, -(-total // self.step) * self.step)
 
     def slot(self, position: int) -> int:
         return position
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
         start, T = self.offset, k.shape[2]
-        if self.kv is None or start + T > self.capacity:
-            self.reserve(k, start + T)
+        self.reserve(_plane_shape(k), k.dtype, start + T)
         self._write(k, v, start)
         self.offset = start + T
         return self.kv[0, :, :, : self.offset, :], self.kv[1, :, :, : self.offset, :]
@@ -134,15 +134,15 @@ class RingKVCache(_Planes):
     def n_kept(self) -> int:
         return min(self.offset, self.window - 1)
 
-    def reserve(self, like: mx.array, total: int) -> None:
+    def reserve(self, shape: tuple[int, int, int], dtype, total: int) -> None:
         if self.kv is None:
-            self._allocate(like, self.window)
+            self._allocate(shape, dtype, self.window)
 
     def slot(self, position: int) -> int:
         return position % self.window
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        self.reserve(k, 0)
+        self.reserve(_plane_shape(k), k.dtype, 0)
         T, start, kept = k.shape[2], self.offset, self.n_kept
         if T == 1:
             # one new token: every slot written so far is visible to it, in whatever order

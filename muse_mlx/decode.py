@@ -33,10 +33,11 @@ class DecodeStep:
         self.compiled = backend() != "cpu" if compiled is None else compiled
         self._fn = mx.compile(self._step) if self.compiled else self._step
 
-    def _step(self, token, pos, slot_flat, slot_ring, *planes):
+    def _step(self, token, pos, slot_ring, *planes):
         for c, p in zip(self.cache, planes):
             c.kv = p
-        slots = [slot_ring if isinstance(c, RingKVCache) else slot_flat for c in self.cache]
+        # a global layer's slot is the position itself
+        slots = [slot_ring if isinstance(c, RingKVCache) else pos for c in self.cache]
         logits = self.model(token, self.cache, last_only=True, positions=(pos, slots))
         return (logits[0, -1],) + tuple(c.kv for c in self.cache)
 
@@ -46,8 +47,7 @@ class DecodeStep:
             raise ValueError(f"the decode step was prepared for {self.capacity} positions")
         ring = next((c.window for c in self.cache if isinstance(c, RingKVCache)), 1)
         logits, *planes = self._fn(
-            token.reshape(1, 1).astype(mx.int32), mx.array([pos], dtype=mx.int32),
-            mx.array([pos], dtype=mx.int32), mx.array([pos % ring], dtype=mx.int32),
+            token.reshape(1, 1).astype(mx.int32), mx.array([pos], dtype=mx.int32), mx.array([pos % ring], dtype=mx.int32),
             *[c.kv for c in self.cache],
         )
         for c, p in zip(self.cache, planes):

@@ -69,6 +69,13 @@ def probe(body, inputs, outputs):
     return Inline("probe", inputs, outputs, body)
 
 
+def run_probe(body, threads, tg=None, out_size=None):
+    """A probe body with one dummy input and one float32 output ``out``, on a 1-D grid."""
+    tg = tg or threads
+    return emulate(probe(body, ["x"], ["out"]), [np.zeros(1, F32)], [(out_size or threads,)], [mx.float32],
+                   (threads, 1, 1), (tg, 1, 1), None)
+
+
 # -- the C library's float functions, for the kernels that call exp / tanh ------------------
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
@@ -204,15 +211,14 @@ def test_simd_op_after_some_lanes_returned_is_an_error():
     out[thread_position_in_grid.x] = simd_sum(1.0f);
 """
     with pytest.raises(EmulatorError, match="lane 3, which did not take part"):
-        emulate(probe(body, ["x"], ["out"]), [np.zeros(1, F32)], [(64,)], [mx.float32], (64, 1, 1), (64, 1, 1), None)
+        run_probe(body, 64)
 
 
 def test_simd_op_in_a_partial_simd_group_is_an_error_but_plain_code_is_not():
     body = "    out[thread_position_in_grid.x] = simd_sum(1.0f);\n"
     with pytest.raises(EmulatorError, match="only 8 lanes"):
-        emulate(probe(body, ["x"], ["out"]), [np.zeros(1, F32)], [(40,)], [mx.float32], (40, 1, 1), (40, 1, 1), None)
-    (out,) = emulate(probe("    out[thread_position_in_grid.x] = 2.0f;\n", ["x"], ["out"]), [np.zeros(1, F32)],
-                     [(40,)], [mx.float32], (40, 1, 1), (40, 1, 1), None)
+        run_probe(body, 40)
+    (out,) = run_probe("    out[thread_position_in_grid.x] = 2.0f;\n", 40)
     assert (out == 2).all()
 
 
@@ -222,19 +228,18 @@ def test_divergent_barrier_is_an_error():
     out[thread_position_in_grid.x] = 0.0f;
 """
     with pytest.raises(EmulatorError, match="divergent"):
-        emulate(probe(body, ["x"], ["out"]), [np.zeros(1, F32)], [(64,)], [mx.float32], (64, 1, 1), (64, 1, 1), None)
+        run_probe(body, 64)
 
 
 def test_write_past_an_output_is_an_error():
     body = "    out[thread_position_in_grid.x + 1] = 0.0f;\n"
     with pytest.raises(EmulatorError, match="outside buffer 'out'"):
-        emulate(probe(body, ["x"], ["out"]), [np.zeros(1, F32)], [(32,)], [mx.float32], (32, 1, 1), (32, 1, 1), None)
+        run_probe(body, 32)
 
 
 def test_compile_error_names_the_source_and_shows_gcc():
     with pytest.raises(CompileError) as e:
-        emulate(probe("    out[0] = undefined_name;\n", ["x"], ["out"]), [np.zeros(1, F32)], [(1,)], [mx.float32],
-                (32, 1, 1), (32, 1, 1), None)
+        run_probe("    out[0] = undefined_name;\n", 32, out_size=1)
     msg = str(e.value)
     assert "undefined_name" in msg and "was not declared" in msg
     assert re.search(r"kernel-\w+\.cpp", msg)
@@ -248,7 +253,7 @@ def test_threadgroup_variable_with_an_initializer_is_refused():
     *mine = 1.0f;
 """
     with pytest.raises(EmulatorError, match="initializer"):
-        emulate(probe(body, ["x"], ["out"]), [np.zeros(1, F32)], [(1,)], [mx.float32], (64, 1, 1), (64, 1, 1), None)
+        run_probe(body, 64, out_size=1)
 
 
 def test_emulate_recorded_restores_kernel_call():

@@ -343,10 +343,10 @@ Q8_GEOMETRY = {"cuda": (8, 8), "metal": (2, 4)}
 
 
 def _q8_geometry(which: str) -> tuple[int, int]:
+    """``(NR0, NSG)`` of the q8 kernel; ``MUSE_MLX_Q8_GEOMETRY=NR0xNSG`` overrides it."""
     env = os.environ.get("MUSE_MLX_Q8_GEOMETRY")
     if env:
-        nr0, nsg = (int(v) for v in env.lower().split("x"))
-        return nr0, nsg
+        return mv_geometry(env.lower(), which)[:2]
     return Q8_GEOMETRY.get(which, (2, 4))
 
 
