@@ -120,7 +120,6 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
         ("ffn_gate/up", g.n_ff, g.n_embd), ("ffn_down", g.n_embd, g.n_ff), ("attn_q", g.n_head * g.head_dim, g.n_embd),
         ("head", vocab, g.n_embd)]
     for label, R, Kc in shapes:
-        y = mx.array(rng.standard_normal((1, Kc)).astype(np.float32))
         for qtype in (T.Q4_K, T.Q6_K):
             if label.startswith("head") and qtype == T.Q4_K:
                 continue  # the head is Q6_K in Q4_K_M
@@ -151,7 +150,6 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
             del w
     # the four projections of one layer in one dispatch (q, k, v, gate)
     D, q, kv = g.n_embd, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
-    y = mx.array(rng.standard_normal((1, D)).astype(np.float32))
     ws = [(random_blocks(q, D, T.Q4_K, rng), "q4_K"), (random_blocks(kv, D, T.Q4_K, rng), "q4_K"),
           (random_blocks(kv, D, T.Q6_K, rng), "q6_K"), (random_blocks(q, D, T.Q4_K, rng), "q4_K")]
     nbytes = sum(w.nbytes for w, _ in ws)
@@ -179,7 +177,6 @@ def geometry_sweep(reps: int, rng) -> list[dict]:
     """The matvec kernels at every launch geometry in SWEEP (the same bits; only speed differs)."""
     rows = []
     for label, R, Kc in MATVECS:
-        y = mx.array(rng.standard_normal((1, Kc)).astype(np.float32))
         for qtype in (T.Q4_K, T.Q6_K):
             if label.startswith("head") and qtype == T.Q4_K:
                 continue
