@@ -102,7 +102,7 @@ def _attn_inputs(h, hkv, d, cap, gate=True):
 
 @pytest.mark.parametrize("h,hkv,d,cap,window,pos", ATTN_CASES)
 def test_decode_attention_oracle_matches_float64(h, hkv, d, cap, window, pos):
-    """float32 scores over <= 128 dims and sums over <= 128 keys per split: relative error ~1e-6."""
+    """float32 scores over <= 128 dims and sums over <= 32 keys per split: relative error ~1e-6."""
     q, kv, g = _attn_inputs(h, hkv, d, cap)
     scale = d ** -0.5
     got = np.array(attention.attn_decode_oracle(q, kv, pos, window, scale, g), np.float64)
@@ -151,9 +151,14 @@ def test_glu_kernel(kind, act):
 
 @emulator
 def test_dequantize_kernels():
+    """f32: gguf-py's bits; f16: those values rounded to nearest (numpy's float32 -> float16)."""
     for kind in ("q4_K", "q6_K"):
         w = qrows(3, 512, kind)
-        assert_bits_equal(emulate_recorded(K.dequantize_rows, w, kind), gguf_dequantize(np.array(w), QTYPE[kind]).reshape(3, 512))
+        want = gguf_dequantize(np.array(w), QTYPE[kind]).reshape(3, 512)
+        assert_bits_equal(emulate_recorded(K.dequantize_rows, w, kind), want)
+        half = emulate_recorded(K.dequantize_rows, w, kind, mx.float16)
+        assert np.array(half).dtype == np.float16
+        assert_bits_equal(half, want.astype(np.float16))
 
 
 @emulator

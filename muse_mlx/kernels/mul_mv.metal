@@ -73,6 +73,53 @@ MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const floa
     return fma(d, scaled, -(dmin * mins));
 }
 
+// Values 4s .. 4s+3 of a run of Q4_K blocks, exactly as gguf-py dequantizes them. Value
+// v = 32j + l of a block (sub-block j) is nibble j%2 of quant byte 32(j/2) + l.
+MUSE_FN float4 q4K_dequant4(device const uchar* w, uint s) {
+    const uint blk_i = s / 64, v = 4 * (s % 64), j = v / 32, l = v % 32;
+    device const uchar* blk = w + (ulong)blk_i * 144u;
+    const float d = float(*(device const half*)(blk + 0));
+    const float dmin = float(*(device const half*)(blk + 2));
+    device const uchar* q = blk + 4;  // the 12-byte scale strip (ggml's get_scale_min_k4)
+    uint sc, m;
+    if (j < 4) {
+        sc = q[j] & 63u;
+        m = q[j + 4] & 63u;
+    } else {
+        sc = (q[j + 4] & 0xFu) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+    const float scale = d * float(sc);
+    const float mn = dmin * float(m);
+    const uint bytes = (*(device const uint*)(blk + 16 + 32 * (j / 2) + l)) >> (4 * (j % 2));
+    float4 out;
+    for (int e = 0; e < 4; ++e) out[e] = scale * float((bytes >> (8 * e)) & 0xFu) - mn;
+    return out;
+}
+
+// Values 4s .. 4s+3 of a run of Q6_K blocks (gguf-py's bits). Value v = 128h + 32k + l: low
+// nibble (k < 2) or high nibble of ql byte 64h + l + 32(k%2), high bits 2k.. of qh byte 32h + l.
+MUSE_FN uint load_u32_from_u16(device const uchar* p) {
+    device const ushort* s = (device const ushort*)p;
+    return uint(s[0]) | (uint(s[1]) << 16);
+}
+
+MUSE_FN float4 q6K_dequant4(device const uchar* w, uint s) {
+    const uint blk_i = s / 64, v = 4 * (s % 64);
+    const uint h = v / 128, k = (v % 128) / 32, l = v % 32;
+    device const uchar* blk = w + (ulong)blk_i * 210u;  // 2-byte aligned: ushort loads
+    const float d = float(*(device const half*)(blk + 208));
+    const float scale = d * float(int(as_type<char>(blk[192 + v / 16])));
+    const uint lo = load_u32_from_u16(blk + 64 * h + l + 32 * (k % 2)) >> (k < 2 ? 0u : 4u);
+    const uint hi = load_u32_from_u16(blk + 128 + 32 * h + l) >> (2 * k);
+    float4 out;
+    for (int e = 0; e < 4; ++e) {
+        const uint code = ((lo >> (8 * e)) & 0xFu) | (((hi >> (8 * e)) & 3u) << 4);
+        out[e] = scale * float(int(code) - 32);
+    }
+    return out;
+}
+
 // Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
 // against one activation row y: the lane's values of y are loaded once per block and shared by
 // every row, and the weight loads of U blocks (ib, ib+4, ...) of every row are issued before
@@ -135,10 +182,6 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 // Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
 // Blocks are 2-byte aligned, so quants are read as ushorts.
-MUSE_FN uint load_u32_from_u16(device const uchar* p) {
-    device const ushort* s = (device const ushort*)p;
-    return uint(s[0]) | (uint(s[1]) << 16);
-}
 
 template <int NA, int NB>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
@@ -320,56 +363,35 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 // ==== kernel: dequant_q4_K_f32
 // Raw Q4_K rows -> float32, bit-equal to gguf-py: (d*sc)*q - dmin*m, where both products are
 // exact (11-bit d times a 6-bit scale times a 4-bit code), so a contracted fma gives the same
-// bits. One thread per 32-value sub-block. For the batched prefill's matmul.
-// inputs: w [n_blocks * 144] (uint8), count [1] (sub-blocks); outputs: out [n_blocks * 256]
+// bits. For the batched prefill's matmul. One thread per 4 consecutive values, so a SIMD
+// group's stores are one contiguous run (coalesced) and its loads share the block.
+// inputs: w [n_blocks * 144] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256]
     const uint s = thread_position_in_grid.x;
     if (s >= count[0]) return;
-    const uint blk_i = s / 8;
-    const uint j = s % 8;
-    device const uchar* blk = w + (ulong)blk_i * 144u;
-    const float d = float(*(device const half*)(blk + 0));
-    const float dmin = float(*(device const half*)(blk + 2));
-    device const uchar* q = blk + 4;  // the 12-byte scale strip (ggml's get_scale_min_k4)
-    uint sc, m;
-    if (j < 4) {
-        sc = q[j] & 63u;
-        m = q[j + 4] & 63u;
-    } else {
-        sc = (q[j + 4] & 0xFu) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
-    const float scale = d * float(sc);
-    const float mn = dmin * float(m);
-    // sub-block j: bytes 32*(j/2) .. +31 of qs, low nibbles for even j, high for odd
-    device const uchar* qs = blk + 16 + 32 * (j / 2);
-    device float* o = out + (ulong)blk_i * 256u + 32u * j;
-    for (uint l = 0; l < 32; ++l) {
-        const uint code = (j % 2 == 0) ? (qs[l] & 0xFu) : (qs[l] >> 4);
-        o[l] = scale * float(code) - mn;
-    }
+    ((device float4*)out)[s] = q4K_dequant4(w, s);
+
+// ==== kernel: dequant_q4_K_f16
+// The same values rounded to half (round to nearest even), for an f16 prefill matmul.
+// inputs: w [n_blocks * 144] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256] (half)
+    const uint s = thread_position_in_grid.x;
+    if (s >= count[0]) return;
+    const float4 v = q4K_dequant4(w, s);
+    for (int e = 0; e < 4; ++e) out[4 * s + e] = half(v[e]);
 
 // ==== kernel: dequant_q6_K_f32
 // Raw Q6_K rows -> float32, bit-equal to gguf-py: (d*sc)*(q - 32), d*sc exact, one rounding.
-// One thread per 16-value group (one int8 scale).
-// inputs: w [n_blocks * 210] (uint8), count [1] (groups); outputs: out [n_blocks * 256]
+// One thread per 4 consecutive values (one int8 scale covers 16).
+// inputs: w [n_blocks * 210] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256]
     const uint s = thread_position_in_grid.x;
     if (s >= count[0]) return;
-    const uint blk_i = s / 16;
-    const uint g = s % 16;  // values 16g .. 16g+15
-    device const uchar* blk = w + (ulong)blk_i * 210u;
-    const float d = float(*(device const half*)(blk + 208));
-    const float scale = d * float(int(as_type<char>(blk[192 + g])));
-    // value v = 128*h + 32*k + l (h half, k quarter, l 0..31): ql byte 64h + l (+32 for k odd),
-    // low nibble for k < 2, high for k >= 2; qh byte 32h + l, bits 2k..2k+1
-    device float* o = out + (ulong)blk_i * 256u + 16u * g;
-    for (uint e = 0; e < 16; ++e) {
-        const uint v = 16 * g + e;
-        const uint h = v / 128, k = (v % 128) / 32, l = v % 32;
-        const uint lb = blk[64 * h + l + 32 * (k % 2)];
-        const uint low = (k < 2) ? (lb & 0xFu) : (lb >> 4);
-        const uint high = (blk[128 + 32 * h + l] >> (2 * k)) & 3u;
-        o[e] = scale * float(int(low | (high << 4)) - 32);
-    }
+    ((device float4*)out)[s] = q6K_dequant4(w, s);
+
+// ==== kernel: dequant_q6_K_f16
+// inputs: w [n_blocks * 210] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256] (half)
+    const uint s = thread_position_in_grid.x;
+    if (s >= count[0]) return;
+    const float4 v = q6K_dequant4(w, s);
+    for (int e = 0; e < 4; ++e) out[4 * s + e] = half(v[e]);
 
 // ==== kernel: mul_mv_q4_K_q8_multi
 // OPT-IN, NOT EXACT (pinned flag mv_q8): the activations are quantized to int8 per 32 values
@@ -378,8 +400,9 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 //   d*sc * (dy * sum(n*q)) - dmin*m * (dy * sum(q))
 // Lane l of a SIMD group takes the 32-byte quant runs p = l, l+32, ... of its rows (run p =
 // block p/4, sub-blocks 2(p%4) and 2(p%4)+1); each threadgroup quantizes y into threadgroup
-// memory first. Up to four matrices as mul_mv_multi_f32 (Y 0 Q4_K through q8, 1 Q6_K through
-// the exact kernel's lanes), or (GLU 1) gate and up rows with the activation ACT applied.
+// memory first, one thread per group of 32. Up to four matrices as mul_mv_multi_f32 (Y 0 Q4_K
+// through q8, 1 Q6_K through the exact kernel's lanes), or (GLU 1) gate and up rows with the
+// activation ACT applied.
 // inputs: w0..w3, y [T, K]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -389,27 +412,33 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     threadgroup int4 qw[K / 16];    // the int8 activations, sixteen to an int4
     threadgroup float qd[K / 32];   // each group's scale d
     threadgroup int qs[K / 32];     // each group's sum of q
-    for (uint g = sgitg; g < K / 32; g += NSG) {
-        const float v = yt[32 * g + tiisg];
-        const float amax = simd_max(fabs(v));
+    // one thread per group of 32 (no shuffles: a group is one thread's loads, max and packing)
+    for (uint g = sgitg * 32 + tiisg; g < K / 32; g += 32 * NSG) {
+        device const float4* v4 = (device const float4*)(yt + 32 * g);
+        float4 v[8];
+        for (int i = 0; i < 8; ++i) v[i] = v4[i];
+        float amax = 0.0f;
+        for (int i = 0; i < 8; ++i)
+            for (int e = 0; e < 4; ++e) amax = max(amax, fabs(v[i][e]));
         const float d = amax / 127.0f;
         const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        const int q = int(round(v * id));
-        const float sum = simd_sum(float(q));  // |sum| <= 32*127: exact
-        // pack the bytes of lanes 4k..4k+3 into word k (little-endian), four words to a lane 16j
-        uint word = (uint(q) & 0xFFu) << (8u * (tiisg % 4u));
-        word |= simd_shuffle_xor(word, 1u);
-        word |= simd_shuffle_xor(word, 2u);
-        const uint w1 = simd_shuffle_xor(word, 4u), w2 = simd_shuffle_xor(word, 8u), w3 = simd_shuffle_xor(word, 12u);
-        if (tiisg % 16u == 0) {
-            int4 packed;
-            packed.x = int(word); packed.y = int(w1); packed.z = int(w2); packed.w = int(w3);
-            qw[(32 * g + tiisg) / 16] = packed;
+        int sum = 0;  // exact: |sum| <= 32*127
+        uint word[8];  // values 4i .. 4i+3, little-endian
+        for (int i = 0; i < 8; ++i) {
+            word[i] = 0u;
+            for (int e = 0; e < 4; ++e) {
+                const int q = int(round(v[i][e] * id));
+                sum += q;
+                word[i] |= (uint(q) & 0xFFu) << (8u * uint(e));
+            }
         }
-        if (tiisg == 0) {
-            qd[g] = d;
-            qs[g] = int(sum);
-        }
+        int4 lo, hi;
+        lo.x = int(word[0]); lo.y = int(word[1]); lo.z = int(word[2]); lo.w = int(word[3]);
+        hi.x = int(word[4]); hi.y = int(word[5]); hi.z = int(word[6]); hi.w = int(word[7]);
+        qw[2 * g] = lo;
+        qw[2 * g + 1] = hi;
+        qd[g] = d;
+        qs[g] = sum;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -453,11 +482,16 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
             const int4 y0 = qw[yq], y1 = qw[yq + 1], y2 = qw[yq + 2], y3 = qw[yq + 3];
             const float dy0 = qd[8 * b + 2 * tq], dy1 = qd[8 * b + 2 * tq + 1];
             const float sy0 = float(qs[8 * b + 2 * tq]), sy1 = float(qs[8 * b + 2 * tq + 1]);
+            // every row's loads first, so the block's bytes of all rows are in flight together
+            uint4 hdr[2 * NR0], qar[2 * NR0], qbr[2 * NR0];
             for (int r = 0; r < (GLU == 1 ? 2 : 1) * NR0; ++r) {
                 device const uchar* blk = rp[r] + (ulong)b * 144u;
-                const uint4 hd = *(device const uint4*)blk;
-                const uint4 qa = *(device const uint4*)(blk + 16 + 32 * tq);
-                const uint4 qb = *(device const uint4*)(blk + 32 + 32 * tq);
+                hdr[r] = *(device const uint4*)blk;
+                qar[r] = *(device const uint4*)(blk + 16 + 32 * tq);
+                qbr[r] = *(device const uint4*)(blk + 32 + 32 * tq);
+            }
+            for (int r = 0; r < (GLU == 1 ? 2 : 1) * NR0; ++r) {
+                const uint4 hd = hdr[r], qa = qar[r], qb = qbr[r];
                 // get_scale_min_k4 for sub-blocks j = 2tq, 2tq+1 (bytes 8*(j%4) of the strip words)
                 const uint a0 = hd.y >> sh, a1 = hd.y >> (sh + 8);
                 const uint m0w = hd.z >> sh, m1w = hd.z >> (sh + 8);

@@ -199,9 +199,9 @@ _Q4_K = Kernel("mul_mv", "mul_mv_q4_K_f32", ["w", "y"], ["dst"])
 _Q6_K = Kernel("mul_mv", "mul_mv_q6_K_f32", ["w", "y"], ["dst"])
 _MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y"], ["dst"])
 _GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y"], ["dst"], uses=("ffn",))
-_DEQ_Q4_K = Kernel("mul_mv", "dequant_q4_K_f32", ["w", "count"], ["out"])
-_DEQ_Q6_K = Kernel("mul_mv", "dequant_q6_K_f32", ["w", "count"], ["out"])
-KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, _DEQ_Q4_K, _DEQ_Q6_K)
+_DEQ = {(kind, dt): Kernel("mul_mv", f"dequant_{kind}_{name}", ["w", "count"], ["out"])
+        for kind in ("q4_K", "q6_K") for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
+KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, *_DEQ.values())
 BLOCK_BYTES = {"q4_K": 144, "q6_K": 210}
 TYPE_CODE = {"q4_K": 0, "q6_K": 1}
 
@@ -384,21 +384,21 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
     return dst
 
 
-def dequantize_rows(w: mx.array, kind: str, which=None) -> mx.array:
-    """Raw Q4_K/Q6_K rows ``[..., row_bytes]`` -> float32 ``[..., K]``, bit-equal to gguf-py (one dispatch)."""
+def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.array:
+    """Raw Q4_K/Q6_K rows ``[..., row_bytes]`` -> ``[..., K]`` in one dispatch: float32 bit-equal
+    to gguf-py, or (``dtype=mx.float16``) those values rounded to nearest half."""
     from ..quants import dequantize
     from gguf import GGMLQuantizationType as T
 
+    if dtype not in (mx.float32, mx.float16):
+        raise ValueError(f"dequantize_rows gives float32 or float16, not {dtype}")
     which = which or backend()
     if which == "cpu":
-        return dequantize(w, T.Q4_K if kind == "q4_K" else T.Q6_K)
+        return dequantize(w, T.Q4_K if kind == "q4_K" else T.Q6_K).astype(dtype)
     K = w.shape[-1] // BLOCK_BYTES[kind] * 256
-    per = 32 if kind == "q4_K" else 16  # values per thread
-    n = w.size // BLOCK_BYTES[kind] * 256 // per
-    kernel = _DEQ_Q4_K if kind == "q4_K" else _DEQ_Q6_K
-    (out,) = kernel(
-        [w, constant(n, mx.uint32)], [(*w.shape[:-1], K)], [F32], grid=(n, 1, 1),
+    n = w.size // BLOCK_BYTES[kind] * 64  # threads: four values each
+    (out,) = _DEQ[kind, dtype](
+        [w, constant(n, mx.uint32)], [(*w.shape[:-1], K)], [dtype], grid=(n, 1, 1),
         threadgroup=(min(256, n), 1, 1), template=None, which=which,
     )
     return out
-
