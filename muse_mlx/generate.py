@@ -44,7 +44,8 @@ class GenerationResponse:
     finish_reason: str | None = None
 
 
-PREFILL_MODES = ("batched", "exact")
+# how a prompt is pre-filled: the dtype a batched prefill dequantizes to, or None (matvecs)
+PREFILL_MODES = {"batched": mx.float32, "batched-f16": mx.float16, "exact": None}
 
 
 def generate_step(
@@ -55,8 +56,11 @@ def generate_step(
     """Yield ``(token, logprobs)`` pairs, one per generated token, for a 1-D prompt of ids.
 
     ``prefill="batched"`` pre-fills the prompt with matmuls (on the pinned route: an exact
-    dequantization and MLX's matmul, the stock route's bits, instead of one matvec per token);
-    ``"exact"`` keeps the route's one-token kernels for every prompt token (slow, batch-1 bits).
+    dequantization and MLX's float32 matmul instead of one matvec per token; MLX's CUDA matmul
+    rounds its float32 operands to TF32 unless ``MLX_ENABLE_TF32=0``); ``"batched-f16"``
+    dequantizes to half and rounds the activations to half (llama.cpp Metal's mul_mm operands;
+    the products are summed in float32, and MLX rounds the sums to half too); ``"exact"`` keeps the route's one-token kernels for
+    every prompt token (slow, batch-1 bits).
     Decoding goes through :class:`~muse_mlx.decode.DecodeStep` when the route has a one-token
     decode path (``compiled``: replay one ``mx.compile`` trace; default: on a GPU).
     """
@@ -85,7 +89,7 @@ def generate_step(
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return sampler(logprobs)[0], logprobs[0], mx.isfinite(logits).all()
 
-    with mx.stream(generation_stream), batched_prefill(model.route, prefill == "batched"):
+    with mx.stream(generation_stream), batched_prefill(model.route, prefill):
         done, total = 0, prompt.size - 1
         while prompt.size > 1:
             n = min(prefill_step_size, prompt.size - 1)
@@ -116,10 +120,10 @@ def generate_step(
 
 
 @contextlib.contextmanager
-def batched_prefill(route, on: bool = True):
+def batched_prefill(route, mode: str = "batched"):
     """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`)."""
     before = route.batched
-    route.batched = on
+    route.batched = PREFILL_MODES[mode]
     try:
         yield
     finally:
@@ -256,7 +260,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-chat-template", action="store_true", help="encode the prompt as raw text (with the file's BOS rule)")
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP, help="prompt tokens per prefill chunk (default: %(default)s)")
     p.add_argument("--prefill", choices=PREFILL_MODES, default="batched",
-                   help="'batched': the prompt through matmuls (pinned: exact dequantization + MLX matmul); "
+                   help="'batched': the prompt through matmuls (pinned: exact dequantization + MLX float32 matmul); "
+                        "'batched-f16': the same with weights and activations rounded to half (faster, not exact); "
                         "'exact': the route's one-token kernels for every prompt token (default: %(default)s)")
     p.add_argument("--no-compile", action="store_true",
                    help="decode without mx.compile (by default the decode step is one compiled graph on a GPU)")

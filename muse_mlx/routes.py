@@ -47,9 +47,12 @@ class Route:
         self.flags = flags
         self.dispatches: Counter[str] = Counter()
         # Batched prefill (generate_step turns it on while it pre-fills): the pinned route then
-        # runs inputs of more than MATVEC_MAX_TOKENS tokens through an exact dequantization and
-        # MLX's matmul (the stock route's dequantize-matmul bits) instead of a matvec per token.
-        self.batched = False
+        # runs inputs of more than MATVEC_MAX_TOKENS tokens through a dequantization to this
+        # dtype and MLX's matmul instead of a matvec per token. None: off. float32: the exact
+        # values (MLX's float32 matmul, TF32 on CUDA unless MLX_ENABLE_TF32=0); float16: weights
+        # and activations rounded to half, as llama.cpp's Metal mul_mm rounds them (MLX's f16
+        # matmul sums in float32 but also rounds its output to half, which ggml does not).
+        self.batched = None
 
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""
@@ -186,13 +189,14 @@ class PinnedRoute(Route):
         return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
 
     def _batched(self, x) -> bool:
-        return self.batched and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
+        return self.batched is not None and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
 
     def linear(self, x, w):
         if w.form == "blocks" and w.qtype in _KIND:
             if self._batched(x):
                 self.count("dequant_matmul")
-                return x @ kernels.dequantize_rows(w.weight, _KIND[w.qtype]).T
+                wd = kernels.dequantize_rows(w.weight, _KIND[w.qtype], self.batched)
+                return (x.astype(wd.dtype) @ wd.T).astype(x.dtype)
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
                 self.count("mul_mv_q4_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q4_K")])
@@ -224,7 +228,7 @@ class PinnedRoute(Route):
         from .kernels.attention import CMAX
 
         g = cfg.n_head // cfg.n_head_kv
-        fits = 4 * g * (cfg.head_dim + CMAX + 1) <= 32 * 1024  # the partial pass's threadgroup memory
+        fits = 4 * g * (cfg.head_dim + 1 + CMAX + 1) <= 32 * 1024  # the partial pass's threadgroup memory
         scales = cfg.q_scale is None or cfg.kq_scale == 1.0  # one scale inside the kernel
         return (cfg.attn_softcap is None and cfg.head_dim % 4 == 0 and cfg.head_dim <= 1024 and fits and scales
                 and "split_norm_f16" not in self.flags)

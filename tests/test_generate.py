@@ -131,7 +131,8 @@ def test_pinned_and_stock_generate_the_same_greedy_tokens(tiny):
 
 def test_cli_prefill_modes_and_q8_flag(tiny):
     """--prefill exact keeps the one-token kernels for the prompt; both modes generate, as does mv_q8."""
-    for extra in (["--prefill", "exact"], ["--prefill", "batched", "--no-compile"], ["--flag", "mv_q8"]):
+    for extra in (["--prefill", "exact"], ["--prefill", "batched", "--no-compile"], ["--prefill", "batched-f16"],
+                  ["--flag", "mv_q8"]):
         r = _cli("--model", str(tiny("muse-glimmer")), "--route", "pinned", "--prompt", "Hello there, world",
                  "--ignore-chat-template", "--max-tokens", "3", *extra)
         assert r.returncode == 0, r.stderr

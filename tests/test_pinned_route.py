@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 from reference import RefModel
 
 from muse_mlx import load_model
@@ -116,3 +117,34 @@ def test_prefill_dispatches_one_matvec_per_matrix_unless_batched(tiny):
     # dequantize + matmul vs the ggml matvec: float32 rounding of the same products
     np.testing.assert_allclose(batched, exact, rtol=0, atol=3e-5)
     assert (batched != exact).any()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_f16_prefill_matmul_is_a_half_rounded_product(qtype):
+    """batched-f16: the product of the half-rounded weights (gguf-py's values, to nearest) and the
+    half-rounded activations, summed in float32 and rounded to half (MLX's f16 matmul gives f16).
+    Reference: float64 sums of the same halves, rounded to half. float32 accumulation can move a
+    sum across a half rounding boundary, so a few outputs may land one half-step away, no more."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from muse_mlx.layers import QLinear
+    from muse_mlx.quantizers import quantize
+    from muse_mlx.routes import make_route
+
+    rng = np.random.default_rng(3)
+    w32 = rng.standard_normal((48, 512)).astype(np.float32)
+    raw = quantize(w32, qtype)
+    lin = QLinear(mx.array(raw), qtype, 512, 48, "blocks")
+    x = rng.standard_normal((9, 512)).astype(np.float32)
+    route = make_route("pinned")
+    route.batched = mx.float16
+    got = np.array(route.linear(mx.array(x), lin)).astype(np.float64)
+    route.batched = mx.float32
+    f32 = np.array(route.linear(mx.array(x), lin)).astype(np.float64)
+    wh = gguf_dequantize(raw, qtype).reshape(48, 512).astype(np.float16).astype(np.float64)
+    want = x.astype(np.float16).astype(np.float64) @ wh.T
+    step = np.spacing(np.abs(want).astype(np.float16)).astype(np.float64)  # one half-step at each output
+    want = want.astype(np.float16).astype(np.float64)
+    assert (np.abs(got - want) <= step).all()
+    assert (got == want).mean() > 0.95
+    assert (np.abs(f32 - want) > step).any()  # the float32 prefill's operands are not rounded
