@@ -39,7 +39,8 @@
     const int cnt = max(0, min(n, j0 + chunk) - j0);
     const uint part = kvh * uint(splits) + s;  // row of the partial outputs
 
-    threadgroup float qs[G * D];
+    // q rows padded to D + 1 floats: the G heads a SIMD group reads at one d fall in different banks
+    threadgroup float qs[G * (D + 1)];
     threadgroup float sc[G * CMAX];
     threadgroup float mx[G];
     if (cnt == 0) {
@@ -50,27 +51,27 @@
         for (uint i = tid; i < G * D; i += NT) part_o[(ulong)part * G * D + i] = 0.0f;
         return;
     }
-    for (uint i = tid; i < G * D; i += NT) qs[i] = q[(ulong)kvh * G * D + i] * scale[0];
+    for (uint i = tid; i < G * D; i += NT) qs[(i / D) * (D + 1) + i % D] = q[(ulong)kvh * G * D + i] * scale[0];
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
-    // scores: one thread per key, each head's dot an fma chain over d = 0, 1, ...
+    // scores: one (key, head) pair per thread at a time -- the G threads of a key share its row --
+    // each an fma chain over d = 0, 1, ...
     device const half* kplane = kv + (ulong)kvh * cap * D;
     device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
-    for (int jj = int(tid); jj < cnt; jj += NT) {
+    for (int i = int(tid); i < G * cnt; i += NT) {
+        const int jj = i / G, g = i % G;
         const int slot = (lo + j0 + jj) % cap;
         device const half* krow = kplane + (ulong)slot * D;
-        float acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+        const int qg = g * (D + 1);
+        float acc = 0.0f;
         for (int d = 0; d < D; d += 4) {
             const float k0 = float(krow[d]), k1 = float(krow[d + 1]), k2 = float(krow[d + 2]), k3 = float(krow[d + 3]);
-            for (int g = 0; g < G; ++g) {
-                acc[g] = fma(qs[g * D + d + 0], k0, acc[g]);
-                acc[g] = fma(qs[g * D + d + 1], k1, acc[g]);
-                acc[g] = fma(qs[g * D + d + 2], k2, acc[g]);
-                acc[g] = fma(qs[g * D + d + 3], k3, acc[g]);
-            }
+            acc = fma(qs[qg + d + 0], k0, acc);
+            acc = fma(qs[qg + d + 1], k1, acc);
+            acc = fma(qs[qg + d + 2], k2, acc);
+            acc = fma(qs[qg + d + 3], k3, acc);
         }
-        for (int g = 0; g < G; ++g) sc[g * CMAX + jj] = acc[g];
+        sc[g * CMAX + jj] = acc;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid < G) {

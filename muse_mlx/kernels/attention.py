@@ -17,7 +17,7 @@ from .backend import Kernel, backend, constant
 from .fp import CPU
 
 F32 = mx.float32
-CMAX = 128  # keys per split at most: splits = ceil(cap / CMAX)
+CMAX = 32  # keys per split at most: splits = ceil(cap / CMAX), so short caches still fill the GPU
 NT = 128  # threads of a partial-pass threadgroup
 
 _PACK = Kernel("attention", "kv_pack_f16", ["k", "v"], ["kv"])
