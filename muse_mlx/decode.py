@@ -32,25 +32,28 @@ class DecodeStep:
         # The CPU oracles read the position back to the host (.item()), which a trace cannot do.
         self.compiled = backend() != "cpu" if compiled is None else compiled
         self._fn = mx.compile(self._step) if self.compiled else self._step
+        self._pos, self._offset = None, None
 
-    def _step(self, token, pos, slot_ring, *planes):
+    def _step(self, token, pos, *planes):
         for c, p in zip(self.cache, planes):
             c.kv = p
-        # a global layer's slot is the position itself
-        slots = [slot_ring if isinstance(c, RingKVCache) else pos for c in self.cache]
+        # a global layer's slot is the position itself, a sliding layer's the position in its ring
+        slots = [pos % c.window if isinstance(c, RingKVCache) else pos for c in self.cache]
         logits = self.model(token, self.cache, last_only=True, positions=(pos, slots))
-        return (logits[0, -1],) + tuple(c.kv for c in self.cache)
+        return (logits[0, -1], pos + 1) + tuple(c.kv for c in self.cache)
 
     def __call__(self, token: mx.array) -> mx.array:
-        pos = self.cache[0].offset
-        if pos >= self.capacity:
+        offset = self.cache[0].offset
+        if offset >= self.capacity:
             raise ValueError(f"the decode step was prepared for {self.capacity} positions")
-        ring = next((c.window for c in self.cache if isinstance(c, RingKVCache)), 1)
-        logits, *planes = self._fn(
-            token.reshape(1, 1).astype(mx.int32), mx.array([pos], dtype=mx.int32), mx.array([pos % ring], dtype=mx.int32),
-            *[c.kv for c in self.cache],
-        )
+        # The position lives on the device and each step returns the next one, so a token costs
+        # no upload; it is rebuilt only when the caches moved without this step (a new prompt).
+        if self._pos is None or self._offset != offset:
+            self._pos = mx.array([offset], dtype=mx.int32)
+        logits, self._pos, *planes = self._fn(token.reshape(1, 1).astype(mx.int32), self._pos,
+                                              *[c.kv for c in self.cache])
         for c, p in zip(self.cache, planes):
             c.kv = p
             c.offset += 1
+        self._offset = offset + 1
         return logits
