@@ -247,19 +247,28 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
         add(f"attn_decode partial + combine, ctx {ctx}, cap {cap}",
             lambda y, kv=kv, geom=geom, pos=pos: K.attn_decode(y, kv, pos, geom, hd ** -0.5, y, n_head=H), H * hd,
             2 * Hkv * (ctx + 1) * hd * 2)
-        slot = mx.array([ctx % cap], dtype=mx.int32)  # in range: MLX does not check a dynamic start
-        add(f"slice_update of one token into planes of cap {cap}",
-            lambda y, kv=kv, slot=slot: mx.slice_update(kv, y.reshape(2, 1, Hkv, 1, hd).astype(mx.float16), slot,
-                                                        axes=(3,)), 2 * Hkv * hd)
-    # a prefill chunk: the exact dequantization of one FFN matrix, then matmuls of 512 tokens
-    wq = random_blocks(g.n_ff, D, T.Q4_K, rng)
-    add(f"dequantize_rows (prefill) {g.n_ff}x{D} Q4_K -> f32", lambda y: K.dequantize_rows(wq, "q4_K") + y[0, 0], D,
-        wq.nbytes + g.n_ff * D * 4)
-    wf = K.dequantize_rows(wq, "q4_K")
+        # (the cache write is not timed alone: held by a closure, its planes would be copied,
+        # while the decode step donates them and slice_update writes in place)
+    # a prefill chunk: the dequantization of one FFN matrix (each type, each output dtype), then
+    # matmuls of 512 tokens against it
+    for qt, kind in ((T.Q4_K, "q4_K"), (T.Q6_K, "q6_K")):
+        wq = random_blocks(g.n_ff, D, qt, rng)
+        for dt, dname in ((mx.float32, "f32"), (mx.float16, "f16")):
+            add(f"dequantize_rows (prefill) {g.n_ff}x{D} {kind} -> {dname}",
+                lambda y, wq=wq, kind=kind, dt=dt: K.dequantize_rows(wq, kind, dt) + y[0, 0].astype(dt), D,
+                wq.nbytes + g.n_ff * D * dt.size)
+    wf = K.dequantize_rows(wq, kind)
     x = mx.random.normal((512, D))
     mx.eval(wf, x)
     flops = 2 * 512 * D * g.n_ff
-    for name, a, b in (("f32 (TF32 unless MLX_ENABLE_TF32=0)", x, wf), ("f16 operands", x.astype(mx.float16), wf.astype(mx.float16))):
+    # how MLX's float32 matmul rounds: float32 operands give ~1e-6 relative error, TF32 ~1e-3
+    probe = np.random.default_rng(1)
+    pa, pb = probe.standard_normal((256, 1024)).astype(np.float32), probe.standard_normal((1024, 256)).astype(np.float32)
+    exact = pa.astype(np.float64) @ pb.astype(np.float64)
+    f32_err = float(np.abs(np.array(mx.array(pa) @ mx.array(pb)) - exact).max() / np.abs(exact).max())
+    rows.append(dict(op="float32 matmul relative error (max |err| / max |out|)", rel_err=f32_err))
+    log(f"  float32 matmul relative error {f32_err:.1e} ({'TF32' if f32_err > 1e-4 else 'float32'} operands)")
+    for name, a, b in (("f32", x, wf), ("f16 operands", x.astype(mx.float16), wf.astype(mx.float16))):
         mx.eval(a, b)
         t = time_op(lambda y, a=a, b=b: (a + y[0, 0].astype(a.dtype)) @ b.T, max(2, reps // 4), D)
         label = f"matmul 512x{D} @ {D}x{g.n_ff} {name}"
@@ -362,10 +371,10 @@ def dispatch_count(model, ctx: int, rng) -> dict:
     return dict(route_ops=sum(ops.values()), graph_primitives=sum(prims.values()), by_op=ops, by_primitive=prims)
 
 
-def prefill_rate(model, n: int, runs: int, rng, vocab: int) -> float:
+def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched") -> float:
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
-    with batched_prefill(model.route):
+    with batched_prefill(model.route, mode):
         for run in range(runs + 1):
             cache = model.make_cache()
             model.prepare_decode(cache, n + 8)
@@ -401,8 +410,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per timed run (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per measurement, after one warm-up (default: %(default)s)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement; 0 skips it (default: %(default)s)")
+    ap.add_argument("--prefill-modes", default="batched,batched-f16",
+                    help="prefill modes measured on the pinned route without flags (default: %(default)s)")
+    ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
+                    help="what to measure, comma-separated, of dispatch, kernels, breakdown, model (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
-    ap.add_argument("--skip-kernels", action="store_true", help="skip the per-kernel table")
     ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
     ap.add_argument("--tune", action="store_true",
@@ -439,16 +451,26 @@ def main(argv=None) -> int:
         report["tuned"] = pick_geometries(report["sweep"])
         log(f"tuned geometries: {report['tuned']}")
         mx.clear_cache()
-    if K.backend() != "cpu":
+    parts = set(args.parts.split(","))
+    unknown = parts - {"dispatch", "kernels", "breakdown", "model"}
+    if unknown:
+        ap.error(f"unknown part(s) {', '.join(sorted(unknown))} in --parts")
+    if K.backend() != "cpu" and "dispatch" in parts:
         report["dispatch_cost_s"] = dispatch_cost()
         log("dispatch cost per op in a dependent chain: " +
             ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in report["dispatch_cost_s"].items()))
-    if not args.skip_kernels:
+    if "kernels" in parts:
         log("per-kernel timings (one token):")
         report["kernels"] = kernel_table(g, vocab, args.kernel_reps, rng)
+        mx.clear_cache()
+    if "breakdown" in parts:
         log("the small decode kernels, and a prefill matrix:")
         report["breakdown"] = breakdown_table(g, args.kernel_reps, rng)
         mx.clear_cache()
+    if "model" not in parts:
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
+        return 0
 
     size = "-tiny" if args.tiny else "-small" if args.small else ""
     path = Path(args.file or Path(tempfile.gettempdir()) / f"muse-glimmer-synthetic{size}.gguf")
@@ -490,8 +512,13 @@ def main(argv=None) -> int:
                     log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}: {r['tok_s']:7.1f} tok/s = "
                         f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}")
             if args.prefill and (not flags or flags == ("tail_32sg",)):
-                entry["prefill_tok_s"] = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab)
-                log(f"    prefill {args.prefill} (batched): {entry['prefill_tok_s']:.0f} tok/s")
+                modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
+                entry["prefill_tok_s"] = {}
+                for mode in modes:
+                    entry["prefill_tok_s"][mode] = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng,
+                                                                vocab, mode)
+                    log(f"    prefill {args.prefill} ({mode}): {entry['prefill_tok_s'][mode]:.0f} tok/s")
+                    mx.clear_cache()
             entry["peak_bytes"] = mx.get_peak_memory()
             log(f"    peak memory {entry['peak_bytes'] / 1e9:.1f} GB = {entry['peak_bytes'] / file_bytes:.2f} x file")
             report["routes"].append(entry)

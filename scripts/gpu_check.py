@@ -224,8 +224,11 @@ def check_decode_kernels(rng, quick):
                 gpu(K.mul_mv_glu, x, wg, wu, kind, act), unfused)
         wd = mk(512, D)
         from gguf.quants import dequantize as gguf_dequantize
-        compare("dequant (prefill) == gguf-py", f"512x{D} {kind}", gpu(K.dequantize_rows, wd, kind),
-                mx.array(gguf_dequantize(np.array(wd), T.Q4_K if kind == "q4_K" else T.Q6_K).reshape(512, D)))
+        want = gguf_dequantize(np.array(wd), T.Q4_K if kind == "q4_K" else T.Q6_K).reshape(512, D)
+        compare("dequant (prefill) == gguf-py", f"512x{D} {kind}", gpu(K.dequantize_rows, wd, kind), mx.array(want))
+        compare("dequant f16 (prefill) == gguf-py rounded to half", f"512x{D} {kind}",
+                gpu(K.dequantize_rows, wd, kind, mx.float16).astype(mx.float32),
+                mx.array(want.astype(np.float16).astype(np.float32)))
     # decode attention: a flat buffer, a ring that has wrapped, a window in a flat buffer
     cases = [(32, 2, 128, 8192, 0, 4000), (32, 2, 128, 4096, 4096, 6000), (32, 2, 128, 8192, 4096, 8191),
              (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300)]

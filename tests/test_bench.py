@@ -16,7 +16,7 @@ import bench  # noqa: E402
 
 def test_bench_reports_every_route_and_flag(tmp_path):
     out = tmp_path / "r.json"
-    rc = bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--skip-kernels", "--tokens", "2", "--runs", "1",
+    rc = bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--parts", "model", "--tokens", "2", "--runs", "1",
                      "--prefill", "8", "--contexts", "4,12", "--flags", ",mv_q8", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
@@ -35,4 +35,6 @@ def test_bench_reports_every_route_and_flag(tmp_path):
             assert d["of_copy"] == pytest.approx(d["tb_s"] / r["copy_tb_s"])
     # the pinned decode path's accounting (tests/test_pinned_route.py): 2 + 10 per layer + head + embedding
     assert r["routes"][0]["dispatches"]["route_ops"] == 2 + 10 * L + 2
-    assert r["routes"][0]["prefill_tok_s"] > 0 and r["routes"][2]["prefill_tok_s"] > 0
+    assert set(r["routes"][0]["prefill_tok_s"]) == {"batched", "batched-f16"}
+    assert min(r["routes"][0]["prefill_tok_s"].values()) > 0 and r["routes"][2]["prefill_tok_s"]["batched"] > 0
+    assert "prefill_tok_s" not in r["routes"][1]  # flag sets other than tail_32sg skip it

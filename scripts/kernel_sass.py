@@ -1,0 +1,568 @@
+"""What NVIDIA's compiler makes of our kernels, without a GPU: registers, spills, SASS.
+
+    python scripts/kernel_sass.py [--kernel NAME] [--geometry G[,G..]] [--sweep] [--sass] [--loops]
+
+For every kernel call the engine makes at the release geometry (Muse Glimmer: n_embd 6656,
+n_ff 19968, 32/2 heads of 128, vocab 202048), the call is recorded (``which="record"``: nothing
+runs, nothing is allocated), the exact translation unit ``mx.fast.cuda_kernel`` would compile is
+rebuilt with ``Kernel.cuda_source`` behind the header below (MLX's own default header, minus
+MLX's utils.cuh, which the bodies do not use), compiled for sm_90a (what MLX 0.32 asks NVRTC
+for on a compute-capability-9 device such as the H200) and disassembled. One line per kernel
+and template: registers per thread, spill stores/loads and stack frame (ptxas -v), SASS
+instructions (NOPs excluded), counts of key opcodes, the widths of the global loads, and the
+hottest loop (the backward branch whose body holds the most FFMA/IDP): its instructions per
+iteration and, for the matvecs, per weight one lane handles in one iteration.
+
+Record mode would pick Metal's/ggml's geometry ("tuned" has no "record" entry), so the calls here
+pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_MV_GEOMETRY_Q6K`` and
+``MUSE_MLX_Q8_GEOMETRY`` override it as they do in the engine, and so do --geometry,
+--geometry-q6k and --q8-geometry (comma-separated lists give one line each).
+
+Compilers (``--compiler``): ``nvcc`` (default; ``nvcc -cubin -Xptxas -v``) or ``nvrtc`` (the
+library MLX itself calls, through ctypes, with MLX's options). Neither needs a GPU. Install
+either with pip into a virtualenv of its own (not the project's), e.g.::
+
+    python3 -m venv /work/cudatools
+    /work/cudatools/bin/pip install nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-cccl \
+        nvidia-cuda-crt nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump nvidia-cuda-nvrtc
+
+(CUDA 13: everything lands in site-packages/nvidia/cu13/{bin,include,lib}.) For CUDA 12 use
+``--compiler nvrtc`` with ``nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cuda-cccl-cu12``:
+the ``nvidia-cuda-nvcc-cu12`` wheel holds ptxas but no nvcc driver, and PyPI has nvdisasm and
+cuobjdump only for CUDA 13 (which disassembles CUDA 12 cubins too). Tools are looked for in
+--nvcc's folder, on PATH, then in /work/cudatools (or $CUDATOOLS). The SASS depends on the
+compiler's version (13.0 and 13.5 differ in places): the first line printed names it; compare
+with the NVRTC the GPU machine's MLX loads.
+
+Examples::
+
+    python scripts/kernel_sass.py                                  # every release call
+    python scripts/kernel_sass.py --kernel q4_K_f32 --sweep        # NR0/NSG/U variants
+    python scripts/kernel_sass.py --kernel mul_mv_q4_K_f32 --sass > q4k.sass
+    python scripts/kernel_sass.py --kernel q6_K_f32 --loops        # each loop's opcode mix
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import ctypes
+import glob
+import inspect
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from muse_mlx import kernels as K  # noqa: E402
+from muse_mlx.kernels import attention, mul_mv  # noqa: E402
+from muse_mlx.kernels.backend import Kernel  # noqa: E402
+
+HEADER = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n"
+# NVRTC has no <cstdint>; MLX's utils.cuh brings the fixed-width types through libcu++ instead
+NVRTC_HEADER = HEADER.replace("<cstdint>", "<cuda/std/cstdint>")
+CUDATOOLS = os.environ.get("CUDATOOLS", "/work/cudatools")
+INSTALL = f"""no CUDA toolchain found. Install one from PyPI into a virtualenv of its own (no GPU needed):
+    python3 -m venv {CUDATOOLS}
+    {CUDATOOLS}/bin/pip install nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-cccl nvidia-cuda-crt \\
+        nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump nvidia-cuda-nvrtc
+(CUDA 12: --compiler nvrtc with nvidia-cuda-nvrtc-cu12 nvidia-cuda-runtime-cu12 nvidia-cuda-cccl-cu12,
+plus the CUDA 13 nvidia-cuda-nvdisasm for the SASS). Then pass
+    --nvcc {CUDATOOLS}/lib/python3.*/site-packages/nvidia/cu13/bin/nvcc,
+put that folder on PATH, or leave the venv at {CUDATOOLS} (set $CUDATOOLS for another place)."""
+
+# Release shapes (muse_mlx.writer MUSE_GLIMMER_30B, synthetic.RELEASE_VOCAB).
+D, FF, QW, KVW, VOCAB, HEADS, HEADS_KV, HEAD_DIM, CTX = 6656, 19968, 4096, 256, 202048, 32, 2, 128, 8192
+BLOCK = {"q4_K": 144, "q6_K": 210}
+SWEEP = ["1x4x1", "2x2x1", "2x2x2", "2x2x4", "2x4x1", "4x2x1", "4x2x2", "4x4x1", "8x1x1", "8x2x1"]
+
+KEY_OPS = {  # column -> SASS base opcodes counted in it
+    "FFMA": ("FFMA",), "FADD": ("FADD",), "FMUL": ("FMUL",), "LOP3": ("LOP3",), "SHF": ("SHF",),
+    "IMAD": ("IMAD",), "IADD3": ("IADD3",), "LDG": ("LDG",), "LDS": ("LDS",), "STL": ("STL",),
+    "LDL": ("LDL",), "I2F": ("I2F", "I2FP"), "F2F": ("F2F", "F2FP"), "IDP": ("IDP", "IDP4A"),
+    "SHFL": ("SHFL",), "BRA": ("BRA",), "LEA": ("LEA",), "MOV": ("MOV",), "HFMA2": ("HFMA2",),
+}  # HFMA2.MMA Rd, -RZ, RZ, imm is how ptxas often materializes a constant (a MOV on another pipe)
+
+
+class ToolError(RuntimeError):
+    pass
+
+
+# -- the toolchain ------------------------------------------------------------------------------
+
+
+def _cudatools_bins() -> list[str]:
+    pats = ["lib/python3*/site-packages/nvidia/cu1*/bin", "lib/python3*/site-packages/nvidia/cuda_nvcc/bin",
+            "lib/python3*/site-packages/nvidia/cuda_*/bin"]
+    return sorted({d for p in pats for d in glob.glob(os.path.join(CUDATOOLS, p))}, reverse=True)
+
+
+def find_tool(name: str, first: list[str] = ()) -> str | None:
+    """``name`` in the folders ``first``, then on PATH, then in the cudatools venv."""
+    for d in first:
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    if shutil.which(name):
+        return shutil.which(name)
+    for d in _cudatools_bins():
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def include_dirs(tool: str) -> list[str]:
+    """The header folders of a pip-installed toolkit (site-packages/nvidia/*/include): the CUDA 12
+    wheels put cuda_fp16.h (runtime) and the CCCL apart from nvcc, whose profile knows only its own."""
+    real = os.path.realpath(tool)
+    m = re.search(r"^(.*/site-packages/nvidia)/", real)
+    roots = [m.group(1)] if m else [str(Path(real).parents[1])]
+    out = []
+    for root in roots:
+        for d in sorted(glob.glob(os.path.join(root, "*", "include"))) + [os.path.join(root, "include")]:
+            if os.path.isdir(d) and d not in out:
+                out.append(d)
+            if os.path.isdir(os.path.join(d, "cccl")):
+                out.append(os.path.join(d, "cccl"))
+    return out
+
+
+class Toolchain:
+    def __init__(self, nvcc: str | None, compiler: str, arch: str):
+        self.arch, self.compiler = arch, compiler
+        first = [os.path.dirname(nvcc)] if nvcc else []
+        if nvcc and not os.access(nvcc, os.X_OK):
+            raise ToolError(f"--nvcc {nvcc}: not an executable\n" + INSTALL)
+        self.nvcc = nvcc or find_tool("nvcc")
+        if self.nvcc:
+            first.append(os.path.dirname(os.path.realpath(self.nvcc)))
+        self.nvdisasm = find_tool("nvdisasm", first)
+        self.cuobjdump = find_tool("cuobjdump", first)
+        self.nvrtc = None
+        if compiler == "nvcc":
+            if not self.nvcc:
+                raise ToolError(INSTALL)
+            ptxas = find_tool("ptxas", [os.path.dirname(os.path.realpath(self.nvcc))])
+            if not ptxas:
+                raise ToolError(f"{self.nvcc} has no ptxas beside it or on PATH\n" + INSTALL)
+            self.includes = include_dirs(self.nvcc)
+        else:
+            self.nvrtc, lib = self._load_nvrtc(first)
+            self.includes = include_dirs(lib)
+        if not (self.nvdisasm or self.cuobjdump):
+            raise ToolError("no nvdisasm or cuobjdump (needed for the SASS)\n" + INSTALL)
+
+    def _load_nvrtc(self, first):
+        cands = [os.path.join(str(Path(d).parent), "lib") for d in first] + [
+            os.path.join(str(Path(d).parent), "lib") for d in _cudatools_bins()] + glob.glob(
+            os.path.join(CUDATOOLS, "lib/python3*/site-packages/nvidia/cuda_nvrtc/lib"))
+        for d in cands:
+            for lib in sorted(glob.glob(os.path.join(d, "libnvrtc.so*")), reverse=True):
+                if "builtins" in lib:
+                    continue
+                with contextlib.suppress(OSError):
+                    return ctypes.CDLL(lib), lib
+        with contextlib.suppress(OSError):
+            return ctypes.CDLL("libnvrtc.so"), "libnvrtc.so"
+        raise ToolError("libnvrtc not found (pip install nvidia-cuda-nvrtc)\n" + INSTALL)
+
+    def describe(self) -> str:
+        if self.compiler == "nvcc":
+            v = subprocess.run([self.nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+            return f"nvcc {self.nvcc} ({v[-2] if len(v) > 1 else '?'}), arch {self.arch}"
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return f"NVRTC {major.value}.{minor.value} (MLX's options), arch {self.arch}"
+
+    def compile(self, source: str, work: Path) -> tuple[Path, str]:
+        """``source`` -> (cubin, ptxas -v report)."""
+        cu, cubin = work / "k.cu", work / "k.cubin"
+        cu.write_text(source)
+        if self.compiler == "nvcc":
+            cmd = [self.nvcc, f"-arch={self.arch}", "-cubin", "-Xptxas", "-v", "-diag-suppress", "177",
+                   "-o", str(cubin), str(cu)] + [f"-I{d}" for d in self.includes]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise ToolError(f"nvcc failed:\n{r.stderr[-4000:]}")
+            return cubin, r.stdout + r.stderr
+        return self._nvrtc_compile(source, cubin)
+
+    def _nvrtc_compile(self, source: str, cubin: Path) -> tuple[Path, str]:
+        lib = self.nvrtc
+        prog = ctypes.c_void_p()
+        err = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None)
+        if err:
+            raise ToolError(f"nvrtcCreateProgram: {err}")
+        opts = ["--device-as-default-execution-space", f"--gpu-architecture={self.arch}", "--ptxas-options=-v"]
+        opts += [f"--include-path={d}" for d in self.includes]
+        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        err = lib.nvrtcCompileProgram(prog, len(opts), arr)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value + 1)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
+        if err:
+            raise ToolError(f"NVRTC failed ({err}):\n{text[-4000:]}")
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        buf = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, buf)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        cubin.write_bytes(buf.raw)
+        return cubin, text
+
+    def sass(self, cubin: Path) -> str:
+        if self.nvdisasm:
+            r = subprocess.run([self.nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
+        else:
+            r = subprocess.run([self.cuobjdump, "-sass", str(cubin)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise ToolError(f"disassembly failed:\n{r.stderr[-2000:]}")
+        return r.stdout
+
+
+# -- reading ptxas -v and SASS ------------------------------------------------------------------
+
+
+def ptxas_stats(log: str) -> dict:
+    grab = lambda pat: int(m.group(1)) if (m := re.search(pat, log)) else None  # noqa: E731
+    return dict(regs=grab(r"Used (\d+) registers"), stack=grab(r"(\d+) bytes stack frame"),
+                spill_st=grab(r"(\d+) bytes spill stores"), spill_ld=grab(r"(\d+) bytes spill loads"),
+                smem=grab(r"(\d+) bytes smem") or 0)
+
+
+_INSN = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^(\.L_x_\d+|\.L_\w+):")
+_PRED = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+
+def parse_sass(text: str) -> list[dict]:
+    """Instructions in order: address, full opcode (with modifiers), base opcode, text, branch target."""
+    insns, labels, pending = [], {}, []
+    for line in text.splitlines():
+        if m := _LABEL.match(line.strip()):
+            pending.append(m.group(1))
+            continue
+        m = _INSN.match(line)
+        if not m:
+            continue
+        addr, body = int(m.group(1), 16), _PRED.sub("", m.group(2).strip())
+        op = body.split()[0] if body else ""
+        for lb in pending:
+            labels[lb] = addr
+        pending = []
+        insns.append(dict(addr=addr, op=op, base=op.split(".")[0], text=m.group(2).strip(), target=None))
+    for ins in insns:
+        if ins["base"] in ("BRA", "BRX", "JMP"):
+            if t := re.search(r"`\((\.L\w+)\)", ins["text"]):
+                ins["target"] = labels.get(t.group(1))
+            elif t := re.search(r"\b0x([0-9a-f]+)\b", ins["text"].split(None, 1)[-1]):
+                ins["target"] = int(t.group(1), 16)
+    return insns
+
+
+def opcode_counts(insns) -> collections.Counter:
+    return collections.Counter(i["base"] for i in insns if i["base"] != "NOP")
+
+
+def mem_widths(insns, base: str) -> collections.Counter:
+    """``LDG.E.128`` -> '128', ``LDG.E`` -> '32', ``LDG.E.U8`` -> 'U8' ..."""
+    out = collections.Counter()
+    for i in insns:
+        if i["base"] == base:
+            mods = i["op"].split(".")[1:]
+            w = next((m for m in mods if m in ("128", "64", "U8", "S8", "U16", "S16")), "32")
+            out[w] += 1
+    return out
+
+
+def loops(insns) -> list[dict]:
+    """Every backward branch's body (target .. branch), innermost first by size. A "backward"
+    branch whose span holds an EXIT is not a loop: it is an out-of-line path (the convergence
+    fallback of a shuffle under divergence, placed after the exits) jumping back into the code."""
+    out = []
+    for k, ins in enumerate(insns):
+        if ins["target"] is not None and ins["target"] < ins["addr"]:
+            start = next(j for j, x in enumerate(insns) if x["addr"] >= ins["target"])
+            body = insns[start : k + 1]
+            if len(body) > 1 and not any(x["base"] == "EXIT" for x in body):
+                out.append(dict(start=ins["target"], end=ins["addr"], body=body))
+    return sorted(out, key=lambda lp: len(lp["body"]))
+
+
+def hot_loops(lps) -> list[dict]:
+    """The innermost loops that do arithmetic (FFMA/IDP), most of it first."""
+    leaves = [lp for lp in lps if work(lp) and not any(
+        o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] and work(o) for o in lps)]
+    return sorted(leaves, key=lambda lp: -work(lp))
+
+
+def work(lp) -> int:
+    c = opcode_counts(lp["body"])
+    return c["FFMA"] + c["IDP"] + c["HFMA2"]
+
+
+# Weights one lane handles per block-row, and how to count a loop body's block-rows from its loads.
+def weights_in_loop(name: str, lp) -> tuple[int, str] | None:
+    body = lp["body"]
+    ldg = mem_widths(body, "LDG")
+    if name in ("mul_mv_q4_K_f32", "mul_mv_glu_f32", "mul_mv_multi_f32") and ldg["64"]:
+        # q4K_lane_sums: per block-row one uint4 header + two uint2 quant runs (LDG.E.64); 32 weights
+        br = ldg["64"] // 2
+        return 32 * br, f"{br} block-row(s) x 32"
+    if name == "mul_mv_q4_K_q8_multi" and opcode_counts(body)["IDP"]:
+        br = opcode_counts(body)["IDP"] // 16  # 16 dp4a per block-row (two sub-blocks of 32)
+        return 64 * br, f"{br} block-row(s) x 64"
+    if name in ("mul_mv_q6_K_f32", "mul_mv_glu_f32", "mul_mv_multi_f32", "mul_mv_q4_K_q8_multi") and ldg["U16"]:
+        # q6K_lane_sums: per block-row three u32 read as ushort pairs + the half d = 7 LDG.E.U16; 16 weights
+        br = ldg["U16"] // 7
+        return 16 * br, f"{br} block-row(s) x 16"
+    return None
+
+
+# -- the calls ----------------------------------------------------------------------------------
+
+
+def zeros_rows(rows: int, k: int, kind: str) -> mx.array:
+    return mx.zeros((rows, k // 256 * BLOCK[kind]), dtype=mx.uint8)  # lazy: recording reads only the shape
+
+
+@contextlib.contextmanager
+def env(name: str, value: str | None):
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+
+
+def geo(g: tuple) -> str:
+    return "x".join(str(v) for v in g)
+
+
+def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], everything: bool):
+    """(label, recorded call) for each release launch, once per geometry."""
+    out = []
+
+    def rec(label, fn, *a, **kw):
+        Kernel.recorded.clear()
+        fn(*a, which="record", **kw)
+        out.extend((label, c) for c in Kernel.recorded)
+
+    y_d, y_ff = mx.zeros((1, D)), mx.zeros((1, FF))
+    q4 = lambda r, k: zeros_rows(r, k, "q4_K")  # noqa: E731
+    q6 = lambda r, k: zeros_rows(r, k, "q6_K")  # noqa: E731
+    for g in q4_geoms:
+        rec(f"ffn_gate/up {FF}x{D}", K.mul_mv_q4_K, y_d, q4(FF, D), geometry=g)
+        rec(f"ffn_down {D}x{FF}", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
+        rec(f"attn_out {D}x{QW}", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
+        rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d,
+            [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")], geometry=g)
+        rec(f"ffn_gate+up q4_K {FF}x{D} silu", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu", geometry=g)
+    for g in q6_geoms:
+        rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g)
+        rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
+        rec(f"ffn_gate+up q6_K {FF}x{D} silu", K.mul_mv_glu, y_d, q6(FF, D), q6(FF, D), "q6_K", "silu", geometry=g)
+    for g in q8_geoms:
+        with env("MUSE_MLX_Q8_GEOMETRY", g):
+            rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
+            rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_q8, y_d,
+                [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
+            rec(f"q8 ffn_gate+up {FF}x{D} silu", K.mul_mv_q8, y_d, [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")],
+                glu="silu")
+    if everything:
+        x, w = mx.zeros((1, D)), mx.zeros((D,))
+        rec("attn_norm", K.rms_norm_mul, x, w)
+        rec("norm + add", K.rms_norm_mul, x, w, add=x)
+        rec("q/k norm", K.rms_norm_mul, mx.zeros((1, 1, QW + 2 * KVW + QW)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)),
+            n=HEAD_DIM, rows=HEADS + HEADS_KV, out_shape=(1, HEADS + HEADS_KV, 1, HEAD_DIM))
+        rec("rms_norm_batch", K.rms_norm_batch, mx.zeros((64, D)), w)
+        rec("rms_norm_f16", K.rms_norm_f16, x, w)
+        rec("tail_dual_eps", K.tail_dual_eps, x, x, w, w, 1e-6, 1e-6)
+        rec("tail_32sg", K.tail_32sg, x, x, w, w, 1e-6, 1e-6)
+        rec("silu_mul", K.silu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))
+        rec("gelu_mul", K.gelu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))
+        rec("ffn_4r2s", K.ffn_q4k_gate_up_4r2s, y_d, q4(FF, D), q4(FF, D), "silu")
+        dtypes = [mx.float32] + ([mx.float16] if "dtype" in inspect.signature(K.dequantize_rows).parameters else [])
+        for dt in dtypes:
+            kw = {"dtype": dt} if dt != mx.float32 else {}
+            rec(f"dequant q4_K {str(dt).split('.')[-1]} (64 rows)", K.dequantize_rows, q4(64, D), "q4_K", **kw)
+            rec(f"dequant q6_K {str(dt).split('.')[-1]} (64 rows)", K.dequantize_rows, q6(64, D), "q6_K", **kw)
+        rec("kv_pack", K.kv_pack_f16, mx.zeros((KVW,)), mx.zeros((KVW,)))
+        kv = mx.zeros((2, HEADS_KV, CTX, HEAD_DIM), dtype=mx.float16)
+        rec(f"attn_decode ctx {CTX}", K.attn_decode, mx.zeros((HEADS, HEAD_DIM)), kv, mx.array([5], dtype=mx.int32),
+            attention.decode_geometry(CTX, 0), 0.088, mx.zeros((QW,)))
+    return out
+
+
+def dedupe(calls):
+    """One entry per distinct translation unit (kernel, dtypes, template); labels joined."""
+    seen: dict[tuple, list] = {}
+    for label, c in calls:
+        key = (c["kernel"].name, tuple(str(a.dtype) for a in c["inputs"]), tuple(map(str, c["output_dtypes"])),
+               tuple(c["template"] or ()))
+        if key in seen:
+            if label not in seen[key][0]:
+                seen[key][0].append(label)
+        else:
+            seen[key] = [[label], c]
+    return list(seen.values())
+
+
+# -- main ---------------------------------------------------------------------------------------
+
+
+def short_template(tmpl) -> str:
+    return " ".join(f"{k}={int(v)}" for k, v in (tmpl or []))
+
+
+def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool) -> dict:
+    kernel = c["kernel"]
+    header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
+    src = header + kernel.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"])
+    cubin, log = tc.compile(src, tmp)
+    text = tc.sass(cubin)
+    insns = [i for i in parse_sass(text) if i["base"] != "NOP"]
+    counts = opcode_counts(insns)
+    lps = loops(insns)
+    hot = hot_loops(lps)
+    for lp in hot:
+        lp["weights"] = weights_in_loop(kernel.name, lp)
+    tg = c["threadgroup"]
+    return dict(name=kernel.name, labels=labels, threads=tg[0] * tg[1] * tg[2], template=c["template"],
+                stats=ptxas_stats(log), n=len(insns), counts=counts, ldg=mem_widths(insns, "LDG"),
+                lds=mem_widths(insns, "LDS"), loops=lps, hot=hot, sass=text if want_sass else None, ptxas=log)
+
+
+def fmt_widths(c: collections.Counter) -> str:
+    order = ["128", "64", "32", "U16", "S16", "U8", "S8"]
+    return ",".join(f"{k}x{c[k]}" for k in order if c[k]) or "-"
+
+
+def warps_per_sm(regs: int | None, smem: int, threads: int) -> int | None:
+    """Resident warps per SM on sm_90 as registers, shared memory and the 32-block limit allow
+    (64K registers allocated per warp in multiples of 8 per thread, 228 KB of shared memory
+    with 1 KB reserved per block, 64 warps at most)."""
+    if not regs:
+        return None
+    wpb = -(-threads // 32)
+    by_regs = 65536 // (-(-regs // 8) * 8 * 32) // wpb
+    by_smem = 233472 // (smem + 1024) if smem else 32
+    return min(by_regs, by_smem, 32, 64 // wpb) * wpb
+
+
+def print_line(r: dict, ops: list[str]) -> None:
+    s = r["stats"]
+    cnt = lambda c, col: sum(c[o] for o in KEY_OPS.get(col, (col,)))  # noqa: E731
+    print(f"{r['name']}  {short_template(r['template'])}  <- {'; '.join(r['labels'])}")
+    occ = warps_per_sm(s["regs"], s["smem"], r["threads"])
+    print(f"    regs={s['regs']} spill st/ld={s['spill_st']}/{s['spill_ld']} B stack={s['stack']} B smem={s['smem']} B"
+          f" warps/SM<={occ}  SASS={r['n']}  LDG={fmt_widths(r['ldg'])} LDS={fmt_widths(r['lds'])}")
+    print("    " + " ".join(f"{o}={cnt(r['counts'], o)}" for o in ops))
+    for lp in r["hot"][:2] or [None]:
+        if lp is None:
+            print("    hot loop: -")
+            continue
+        n = len(lp["body"])
+        loop = f"{n} insn/iter"
+        if lp.get("weights"):
+            wts, how = lp["weights"]
+            loop += f", {wts} w/lane/iter ({how}) = {n / wts:.2f} insn/w"
+        hc = opcode_counts(lp["body"])
+        loop += "\n      [" + " ".join(f"{o}={cnt(hc, o)}" for o in ops if cnt(hc, o))
+        loop += f"] LDG={fmt_widths(mem_widths(lp['body'], 'LDG'))}"
+        print(f"    hot loop {lp['start']:#06x}..{lp['end']:#06x}: {loop}")
+
+
+def print_loops(r: dict) -> None:
+    for k, lp in enumerate(r["loops"]):
+        c = opcode_counts(lp["body"])
+        print(f"    loop {k}: {lp['start']:#06x}..{lp['end']:#06x}  {len(lp['body'])} insn  "
+              f"LDG={fmt_widths(mem_widths(lp['body'], 'LDG'))}  "
+              + " ".join(f"{o}={n}" for o, n in c.most_common()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kernel", help="only kernels whose name contains this (case-insensitive)")
+    ap.add_argument("--nvcc", help="the nvcc to use (default: on PATH, else in $CUDATOOLS=/work/cudatools)")
+    ap.add_argument("--compiler", choices=("nvcc", "nvrtc"), default="nvcc")
+    ap.add_argument("--arch", default="sm_90a", help="default sm_90a: what MLX asks NVRTC for on an H100/H200")
+    ap.add_argument("--geometry", help="Q4_K geometries NR0xNSG[xU], comma-separated (default: CUDA tuned)")
+    ap.add_argument("--geometry-q6k", help="Q6_K geometries, comma-separated (default: CUDA tuned)")
+    ap.add_argument("--q8-geometry", help="q8 kernel geometries NR0xNSG, comma-separated (default: CUDA's)")
+    ap.add_argument("--sweep", action="store_true", help=f"Q4_K geometries {','.join(SWEEP)}")
+    ap.add_argument("--matvec-only", action="store_true", help="skip the norm, elementwise and attention kernels")
+    ap.add_argument("--sass", action="store_true", help="print the SASS of each selected kernel")
+    ap.add_argument("--loops", action="store_true", help="print every loop's opcode mix")
+    ap.add_argument("--ops", help="comma-separated opcode columns (default: " + ",".join(KEY_OPS) + ")")
+    ap.add_argument("--keep", help="write each .cu, .cubin, .sass and ptxas log into this folder")
+    a = ap.parse_args(argv)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends us quietly
+
+    try:
+        tc = Toolchain(a.nvcc, a.compiler, a.arch)
+    except ToolError as e:
+        print(f"kernel_sass: {e}", file=sys.stderr)
+        return 2
+    q4 = (SWEEP if a.sweep else a.geometry.split(",")) if (a.sweep or a.geometry) else \
+        [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K"))]
+    q6 = a.geometry_q6k.split(",") if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K"))]
+    q8 = a.q8_geometry.split(",") if a.q8_geometry else [geo(mul_mv._q8_geometry("cuda"))]
+    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only))
+    if not a.matvec_only:
+        missing = {k.name for k in K.ALL_KERNELS} - {c["kernel"].name for _, c in calls}
+        if missing:
+            print(f"kernel_sass: no release call recorded for {', '.join(sorted(missing))}", file=sys.stderr)
+    if a.kernel:
+        calls = [(lb, c) for lb, c in calls if a.kernel.lower() in c["kernel"].name.lower()]
+    if not calls:
+        print("kernel_sass: no kernel matches", file=sys.stderr)
+        return 1
+    ops = a.ops.split(",") if a.ops else list(KEY_OPS)
+    print(f"# {tc.describe()}", file=sys.stderr if a.sass else sys.stdout)
+    keep = Path(a.keep) if a.keep else None
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+    for k, (labels, c) in enumerate(calls):
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                r = analyse(tc, labels, c, Path(tmp), a.sass or bool(keep))
+            except ToolError as e:
+                print(f"{c['kernel'].name} {short_template(c['template'])}: {e}", file=sys.stderr)
+                return 1
+            if keep:
+                stem = keep / f"{k:02d}_{c['kernel'].name}"
+                for ext in ("cu", "cubin"):
+                    shutil.copy(Path(tmp) / f"k.{ext}", f"{stem}.{ext}")
+                Path(f"{stem}.sass").write_text(r["sass"])
+                Path(f"{stem}.ptxas.txt").write_text(r["ptxas"])
+        if a.sass:
+            print(f"// ===== {r['name']}  {short_template(r['template'])}  <- {'; '.join(labels)}")
+            print(r["sass"])
+            continue
+        print_line(r, ops)
+        if a.loops:
+            print_loops(r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
