@@ -298,6 +298,19 @@ def test_mul_mv(qtype, rows, k):
         assert_bits_equal(emulate_recorded(fn, y, w), oracle(y, w))
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=["q4_K", "q6_K"])
+def test_mul_mv_on_random_blocks(qtype):
+    """Blocks of random bytes (valid d): every code, every 6-bit scale pattern and, for Q6_K,
+    every int8 scale reach the kernels' integer-to-float conversions, not only a quantizer's."""
+    from muse_mlx.synthetic import random_blocks
+
+    fn, oracle = {T.Q4_K: (K.mul_mv_q4_K, mul_mv.mul_mv_q4_K_oracle),
+                  T.Q6_K: (K.mul_mv_q6_K, mul_mv.mul_mv_q6_K_oracle)}[qtype]
+    w = mx.array(random_blocks(24, 1024, qtype, np.random.default_rng(5)))
+    y = arr(2, 1024)
+    assert_bits_equal(emulate_recorded(fn, y, w), oracle(y, w))
+
+
 @pytest.mark.parametrize("n,geometry", [(128, "llama"), (1152, "seeds"), (1152, "llama")])
 def test_rms_norm_f16(n, geometry):
     """Two launches (F16 norm, then mul_f16 on its output): the emulated chain equals the oracle."""

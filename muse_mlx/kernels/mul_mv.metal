@@ -14,6 +14,22 @@
 // NVIDIA): v in the mantissa of 2^23, minus 2^23. Both steps are exact, so the value is float(v).
 MUSE_FN float u2f(uint v) { return as_type<float>(0x4B000000u | v) - 8388608.0f; }
 
+// The same with the 2^23 pattern in a register whose value the compiler cannot know (see
+// q4K_lane_sums): then `(w & mask) | magic` is one three-input logic op (LOP3) per weight on
+// NVIDIA, where two constant operands cost two. Same value, same bits.
+MUSE_FN float u2f_m(uint v, uint magic) { return as_type<float>(magic | v) - 8388608.0f; }
+
+// Byte k of x in the mantissa of the pattern `magic` (0x4B000000): as_type<float> of it, minus
+// 2^23, is float(byte). One byte-permute instruction on NVIDIA (k a constant), shift-and-mask
+// elsewhere; the same word either way.
+MUSE_FN uint byte_magic(uint x, uint k, uint magic) {
+#if defined(__CUDA_ARCH__)
+    return __byte_perm(x, magic, 0x7540u | k);  // bytes: x.k, magic.0, magic.1, magic.3
+#else
+    return ((x >> (8u * k)) & 0xFFu) | magic;
+#endif
+}
+
 // c + the dot product of four unsigned bytes of a (0..255) with four signed bytes of b: one
 // dp4a instruction on NVIDIA, the same integer arithmetic byte by byte elsewhere (exact either way).
 MUSE_FN int dot4_i8(uint a, int b, int c) {
@@ -29,7 +45,7 @@ MUSE_FN int dot4_i8(uint a, int b, int c) {
 // bytes) and its two 8-byte quant runs, in ggml's order: nibbles stay in place (x1, x256, x16,
 // x4096) in four even/odd accumulators each, then d*(...) - dmin*(...).
 MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const float* yl,
-                        thread const float* yh, float4 sumy) {
+                        thread const float* yh, float4 sumy, uint magic) {
     const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
     const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
     // ggml reads the scale strip as ushorts sc[0], sc[2], sc[4] at bytes 4, 8, 12 (+ 2*iq)
@@ -48,28 +64,28 @@ MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const floa
         // ggml's ushort q1[i] is half i&1 of word i/2 of the 8-byte run
         const uint w1 = (i < 2 ? qa.x : qa.y) >> (16u * (i & 1u));
         const uint w2 = (i < 2 ? qb.x : qb.y) >> (16u * (i & 1u));
-        acc1[0] = fma(yl[2 * i + 0], u2f(w1 & 0x000Fu), acc1[0]);
-        acc1[1] = fma(yl[2 * i + 1], u2f(w1 & 0x0F00u), acc1[1]);
-        acc1[2] = fma(yl[2 * i + 8], u2f(w1 & 0x00F0u), acc1[2]);
-        acc1[3] = fma(yl[2 * i + 9], u2f(w1 & 0xF000u), acc1[3]);
-        acc2[0] = fma(yh[2 * i + 0], u2f(w2 & 0x000Fu), acc2[0]);
-        acc2[1] = fma(yh[2 * i + 1], u2f(w2 & 0x0F00u), acc2[1]);
-        acc2[2] = fma(yh[2 * i + 8], u2f(w2 & 0x00F0u), acc2[2]);
-        acc2[3] = fma(yh[2 * i + 9], u2f(w2 & 0xF000u), acc2[3]);
+        acc1[0] = fma(yl[2 * i + 0], u2f_m(w1 & 0x000Fu, magic), acc1[0]);
+        acc1[1] = fma(yl[2 * i + 1], u2f_m(w1 & 0x0F00u, magic), acc1[1]);
+        acc1[2] = fma(yl[2 * i + 8], u2f_m(w1 & 0x00F0u, magic), acc1[2]);
+        acc1[3] = fma(yl[2 * i + 9], u2f_m(w1 & 0xF000u, magic), acc1[3]);
+        acc2[0] = fma(yh[2 * i + 0], u2f_m(w2 & 0x000Fu, magic), acc2[0]);
+        acc2[1] = fma(yh[2 * i + 1], u2f_m(w2 & 0x0F00u, magic), acc2[1]);
+        acc2[2] = fma(yh[2 * i + 8], u2f_m(w2 & 0x00F0u, magic), acc2[2]);
+        acc2[3] = fma(yh[2 * i + 9], u2f_m(w2 & 0xF000u, magic), acc2[3]);
     }
     // d*((A0+A1)*s0 + (A2+A3)*s1/16 + (B0+B1)*s4 + (B2+B3)*s5/16) - dmin*(Y0*m0 + ...)
     const float a0 = fma(1.0f / 256.0f, acc1[1], acc1[0]);
     const float a1 = fma(1.0f / 256.0f, acc1[3], acc1[2]);
     const float b0 = fma(1.0f / 256.0f, acc2[1], acc2[0]);
     const float b1 = fma(1.0f / 256.0f, acc2[3], acc2[2]);
-    float scaled = (a1 * u2f(c0 >> 8)) * (1.0f / 16.0f);
-    scaled = fma(a0, u2f(c0 & 0xFFu), scaled);
-    scaled = fma(b0, u2f(c2 & 0xFFu), scaled);
-    scaled = fma(b1 * u2f(c2 >> 8), 1.0f / 16.0f, scaled);
-    float mins = sumy[1] * u2f(c1 >> 8);
-    mins = fma(sumy[0], u2f(c1 & 0xFFu), mins);
-    mins = fma(sumy[2], u2f(c3 & 0xFFu), mins);
-    mins = fma(sumy[3], u2f(c3 >> 8), mins);
+    float scaled = (a1 * u2f_m(c0 >> 8, magic)) * (1.0f / 16.0f);
+    scaled = fma(a0, u2f_m(c0 & 0xFFu, magic), scaled);
+    scaled = fma(b0, u2f_m(c2 & 0xFFu, magic), scaled);
+    scaled = fma(b1 * u2f_m(c2 >> 8, magic), 1.0f / 16.0f, scaled);
+    float mins = sumy[1] * u2f_m(c1 >> 8, magic);
+    mins = fma(sumy[0], u2f_m(c1 & 0xFFu, magic), mins);
+    mins = fma(sumy[2], u2f_m(c3 & 0xFFu, magic), mins);
+    mins = fma(sumy[3], u2f_m(c3 >> 8, magic), mins);
     return fma(d, scaled, -(dmin * mins));
 }
 
@@ -139,6 +155,7 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
         sumf[r] = 0.0f;
     }
     device const float* yb = y + ix * 256 + 64 * iq + 8 * ir;
+    const uint magic = 0x4B000000u | (tiisg >> 5);  // tiisg < 32, so exactly the pattern -- in a register
     for (uint ib = ix; ib < nb; ib += 4 * U) {
         uint4 hd[U][NA + NB];
         uint2 qa[U][NA + NB];
@@ -173,7 +190,7 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
                 sumy[2] += yh[j];
                 sumy[3] += yh[j + 8];
             }
-            for (int r = 0; r < NA + NB; ++r) sumf[r] += q4K_block(hd[u][r], qa[u][r], qb[u][r], iq, yl, yh, sumy);
+            for (int r = 0; r < NA + NB; ++r) sumf[r] += q4K_block(hd[u][r], qa[u][r], qb[u][r], iq, yl, yh, sumy, magic);
             }
         }
     }
@@ -195,6 +212,7 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     const uint is = 8 * ip + l0 / 16;
     const uint q_offset_l = 64 * ip + l0;
     const uint q_offset_h = 128 + 32 * ip + l0;
+    const uint magic = 0x4B000000u | (tiisg >> 5);  // the 2^23 pattern, in a register (see u2f_m)
     for (int r = 0; r < NA + NB; ++r) sumf[r] = 0.0f;
     for (uint i = ix; i < nb; i += 2) {
         uint ql1[NA + NB];
@@ -222,22 +240,28 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
             for (int l = 0; l < 4; ++l) yl[4 * l + k] = v[l];
         }
         for (int r = 0; r < NA + NB; ++r) {
+            // the 6-bit codes of values l = 0..3 of the four runs, one byte each, four to a word:
+            // run 0 = low nibbles of ql1 | qh bits 0-1, run 1 = ql2 | bits 2-3, run 2 = high
+            // nibbles of ql1 | bits 4-5, run 3 = ql2 | bits 6-7
+            const uint code0 = (ql1[r] & 0x0F0F0F0Fu) | ((qh[r] << 4) & 0x30303030u);
+            const uint code1 = (ql2[r] & 0x0F0F0F0Fu) | ((qh[r] << 2) & 0x30303030u);
+            const uint code2 = ((ql1[r] >> 4) & 0x0F0F0F0Fu) | (qh[r] & 0x30303030u);
+            const uint code3 = ((ql2[r] >> 4) & 0x0F0F0F0Fu) | ((qh[r] >> 2) & 0x30303030u);
             float4 sums = {0.0f, 0.0f, 0.0f, 0.0f};
             for (int l = 0; l < 4; ++l) {
-                const uint b1 = (ql1[r] >> (8 * l)) & 0xFFu;
-                const uint b2 = (ql2[r] >> (8 * l)) & 0xFFu;
-                const uint h = (qh[r] >> (8 * l)) & 0xFFu;
                 // (6-bit code) - 32, exactly: the code in the mantissa of 2^23, minus 2^23 + 32
-                sums[0] = fma(yl[4 * l + 0], as_type<float>(0x4B000000u | (b1 & 0xFu) | ((h & 0x03u) << 4)) - 8388640.0f, sums[0]);
-                sums[1] = fma(yl[4 * l + 1], as_type<float>(0x4B000000u | (b2 & 0xFu) | ((h & 0x0Cu) << 2)) - 8388640.0f, sums[1]);
-                sums[2] = fma(yl[4 * l + 2], as_type<float>(0x4B000000u | (b1 >> 4) | (h & 0x30u)) - 8388640.0f, sums[2]);
-                sums[3] = fma(yl[4 * l + 3], as_type<float>(0x4B000000u | (b2 >> 4) | ((h & 0xC0u) >> 2)) - 8388640.0f, sums[3]);
+                sums[0] = fma(yl[4 * l + 0], as_type<float>(byte_magic(code0, uint(l), magic)) - 8388640.0f, sums[0]);
+                sums[1] = fma(yl[4 * l + 1], as_type<float>(byte_magic(code1, uint(l), magic)) - 8388640.0f, sums[1]);
+                sums[2] = fma(yl[4 * l + 2], as_type<float>(byte_magic(code2, uint(l), magic)) - 8388640.0f, sums[2]);
+                sums[3] = fma(yl[4 * l + 3], as_type<float>(byte_magic(code3, uint(l), magic)) - 8388640.0f, sums[3]);
             }
             // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6]), the int8 scales exact in float
-            const float s0 = float(int(as_type<char4>(sc[r]).x));
-            const float s2 = float(int(as_type<char4>(sc[r]).y));
-            const float s4 = float(int(as_type<char4>(sc[r]).z));
-            const float s6 = float(int(as_type<char4>(sc[r]).w));
+            // (an int8 s as s + 128 in the mantissa of 2^23, minus 2^23 + 128: exact, no I2F)
+            const uint sx = sc[r] ^ 0x80808080u;
+            const float s0 = as_type<float>(byte_magic(sx, 0u, magic)) - 8388736.0f;
+            const float s2 = as_type<float>(byte_magic(sx, 1u, magic)) - 8388736.0f;
+            const float s4 = as_type<float>(byte_magic(sx, 2u, magic)) - 8388736.0f;
+            const float s6 = as_type<float>(byte_magic(sx, 3u, magic)) - 8388736.0f;
             float scaled = sums[1] * s2;
             scaled = fma(sums[0], s0, scaled);
             scaled = fma(sums[2], s4, scaled);
