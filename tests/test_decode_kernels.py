@@ -152,9 +152,9 @@ def test_glu_kernel(kind, act):
 @emulator
 def test_dequantize_kernels():
     """f32: gguf-py's bits; f16: those values rounded to nearest (numpy's float32 -> float16)."""
-    for kind in ("q4_K", "q6_K"):
-        w = qrows(3, 512, kind)
-        want = gguf_dequantize(np.array(w), QTYPE[kind]).reshape(3, 512)
+    for kind, shape in (("q4_K", (3, 512)), ("q6_K", (3, 512)), ("q4_K", (5, 256)), ("q6_K", (3, 256))):
+        w = qrows(*shape, kind)  # 5 x 256: a SIMD group whose last quads lie past the end
+        want = gguf_dequantize(np.array(w), QTYPE[kind]).reshape(shape)
         assert_bits_equal(emulate_recorded(K.dequantize_rows, w, kind), want)
         half = emulate_recorded(K.dequantize_rows, w, kind, mx.float16)
         assert np.array(half).dtype == np.float16

@@ -20,7 +20,8 @@
 
 // ==== kernel: attn_decode_partial
 // One threadgroup per (split, KV head): the G query heads of that KV head against the split's
-// keys (at most CMAX of them). Writes the split's max score, sum of exp and unnormalized output.
+// keys (at most CMAX of them). Writes the split's max score, sum of exp and unnormalized output
+// (splits past the last that holds keys write nothing).
 // inputs: q (its first HKV*G*D values, float32), kv [2, HKV, CAP, D] (float16), pos [1] (int32), geom [3]
 //         (int32: cap, window, splits), scale [1]
 // outputs: part_m, part_l [HKV, SPLITS, G], part_o [HKV, SPLITS, G, D]
@@ -43,14 +44,7 @@
     threadgroup float qs[G * (D + 1)];
     threadgroup float sc[G * CMAX];
     threadgroup float mx[G];
-    if (cnt == 0) {
-        if (tid < G) {
-            part_m[part * G + tid] = -INFINITY;
-            part_l[part * G + tid] = 0.0f;
-        }
-        for (uint i = tid; i < G * D; i += NT) part_o[(ulong)part * G * D + i] = 0.0f;
-        return;
-    }
+    if (cnt == 0) return;  // past the last non-empty split: the combine never reads it
     for (uint i = tid; i < G * D; i += NT) qs[(i / D) * (D + 1) + i % D] = q[(ulong)kvh * G * D + i] * scale[0];
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -106,20 +100,44 @@
 // ==== kernel: attn_decode_combine
 // The splits of one query head combined in order: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
 // then (GATE) the attention output gate o * (1 / (1 + exp(-g))), as ggml_sigmoid then ggml_mul.
-// inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [3]
+// inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [3],
+//         pos [1]
 // outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF
     const uint d = thread_position_in_threadgroup.x;
     const uint h = threadgroup_position_in_grid.y;
     const uint kvh = h / G, g = h % G;
     const int splits = geom[2];
+    // only the first `used` splits hold keys (as in the partial pass); an empty split would add
+    // exp(-inf) * 0 = +0, which changes nothing, so it is not read at all
+    const int p_new = pos[0];
+    const int window = geom[1];
+    const int n = p_new - (window > 0 ? max(0, p_new - window + 1) : 0) + 1;
+    const int chunk = (n + splits - 1) / splits;
+    const int used = (n + chunk - 1) / chunk;
+    const uint base = kvh * uint(splits);
+    // four splits' loads at a time, ahead of the arithmetic that waits for them
     float m_all = -INFINITY;
-    for (int s = 0; s < splits; ++s) m_all = max(m_all, part_m[(kvh * splits + s) * G + g]);
+    for (int s = 0; s < used; s += 4) {
+        float pm[4];
+        for (int u = 0; u < 4; ++u) pm[u] = part_m[(base + uint(min(s + u, used - 1))) * G + g];
+        for (int u = 0; u < 4; ++u) m_all = max(m_all, pm[u]);  // max: any order, any repeats
+    }
     float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const uint p = (kvh * splits + s) * G + g;
-        const float w = exp(part_m[p] - m_all);
-        num = fma(w, part_o[(ulong)p * D + d], num);
-        den = fma(w, part_l[p], den);
+    for (int s = 0; s < used; s += 4) {
+        float pm[4], po[4], pl[4];
+        for (int u = 0; u < 4; ++u) {
+            const uint p = (base + uint(min(s + u, used - 1))) * G + g;
+            pm[u] = part_m[p];
+            pl[u] = part_l[p];
+            po[u] = part_o[(ulong)p * D + d];
+        }
+        for (int u = 0; u < 4; ++u) {
+            if (s + u < used) {
+                const float w = exp(pm[u] - m_all);
+                num = fma(w, po[u], num);
+                den = fma(w, pl[u], den);
+            }
+        }
     }
     float o = num / den;
     if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + d])));

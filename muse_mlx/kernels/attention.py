@@ -23,7 +23,7 @@ NT = 128  # threads of a partial-pass threadgroup
 _PACK = Kernel("attention", "kv_pack_f16", ["k", "v"], ["kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
                   ["part_m", "part_l", "part_o"])
-_COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom"], ["out"])
+_COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom", "pos"], ["out"])
 KERNELS = (_PACK, _PARTIAL, _COMBINE)
 
 
@@ -123,7 +123,7 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
         grid=(NT * splits, hkv, 1), threadgroup=(NT, 1, 1), template=template, which=which,
     )
     (out,) = _COMBINE(
-        [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom], [shape], [F32],
+        [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom, pos], [shape], [F32],
         grid=(d_head, h, 1), threadgroup=(d_head, 1, 1),
         template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset)], which=which,
     )

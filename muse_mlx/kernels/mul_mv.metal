@@ -387,35 +387,48 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 // ==== kernel: dequant_q4_K_f32
 // Raw Q4_K rows -> float32, bit-equal to gguf-py: (d*sc)*q - dmin*m, where both products are
 // exact (11-bit d times a 6-bit scale times a 4-bit code), so a contracted fma gives the same
-// bits. For the batched prefill's matmul. One thread per 4 consecutive values, so a SIMD
-// group's stores are one contiguous run (coalesced) and its loads share the block.
-// inputs: w [n_blocks * 144] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256]
+// bits. For the batched prefill's matmul. A "quad" is 4 consecutive values; thread s takes
+// quads DEQ_QUADS(s) -- four, 32 apart, so a SIMD group's stores are four contiguous 512-byte
+// runs -- and loads all four before converting any.
+// inputs: w [n_blocks * 144] (uint8), count [1] (quads = values / 4); outputs: out [n_blocks * 256]
     const uint s = thread_position_in_grid.x;
-    if (s >= count[0]) return;
-    ((device float4*)out)[s] = q4K_dequant4(w, s);
+    const uint q0 = (s / 32) * 128 + s % 32;
+    float4 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = q4K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k)
+        if (q0 + 32 * k < count[0]) ((device float4*)out)[q0 + 32 * k] = v[k];
 
 // ==== kernel: dequant_q4_K_f16
 // The same values rounded to half (round to nearest even), for an f16 prefill matmul.
-// inputs: w [n_blocks * 144] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256] (half)
+// inputs: w [n_blocks * 144] (uint8), count [1] (quads); outputs: out [n_blocks * 256] (half)
     const uint s = thread_position_in_grid.x;
-    if (s >= count[0]) return;
-    const float4 v = q4K_dequant4(w, s);
-    for (int e = 0; e < 4; ++e) out[4 * s + e] = half(v[e]);
+    const uint q0 = (s / 32) * 128 + s % 32;
+    float4 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = q4K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k)
+        if (q0 + 32 * k < count[0])
+            for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);
 
 // ==== kernel: dequant_q6_K_f32
 // Raw Q6_K rows -> float32, bit-equal to gguf-py: (d*sc)*(q - 32), d*sc exact, one rounding.
-// One thread per 4 consecutive values (one int8 scale covers 16).
-// inputs: w [n_blocks * 210] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256]
+// Quads as in dequant_q4_K_f32 (one int8 scale covers four quads).
+// inputs: w [n_blocks * 210] (uint8), count [1] (quads); outputs: out [n_blocks * 256]
     const uint s = thread_position_in_grid.x;
-    if (s >= count[0]) return;
-    ((device float4*)out)[s] = q6K_dequant4(w, s);
+    const uint q0 = (s / 32) * 128 + s % 32;
+    float4 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = q6K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k)
+        if (q0 + 32 * k < count[0]) ((device float4*)out)[q0 + 32 * k] = v[k];
 
 // ==== kernel: dequant_q6_K_f16
-// inputs: w [n_blocks * 210] (uint8), count [1] (values / 4); outputs: out [n_blocks * 256] (half)
+// inputs: w [n_blocks * 210] (uint8), count [1] (quads); outputs: out [n_blocks * 256] (half)
     const uint s = thread_position_in_grid.x;
-    if (s >= count[0]) return;
-    const float4 v = q6K_dequant4(w, s);
-    for (int e = 0; e < 4; ++e) out[4 * s + e] = half(v[e]);
+    const uint q0 = (s / 32) * 128 + s % 32;
+    float4 v[4];
+    for (int k = 0; k < 4; ++k) v[k] = q6K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k)
+        if (q0 + 32 * k < count[0])
+            for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);
 
 // ==== kernel: mul_mv_q4_K_q8_multi
 // OPT-IN, NOT EXACT (pinned flag mv_q8): the activations are quantized to int8 per 32 values

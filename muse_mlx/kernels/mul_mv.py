@@ -339,7 +339,7 @@ def mul_mv_q4_K_q8_oracle(y, w) -> mx.array:
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 KERNELS += (_Q8,)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
-Q8_GEOMETRY = {"cuda": (8, 8), "metal": (2, 4)}
+Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 
 
 def _q8_geometry(which: str) -> tuple[int, int]:
@@ -396,9 +396,10 @@ def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.
     if which == "cpu":
         return dequantize(w, T.Q4_K if kind == "q4_K" else T.Q6_K).astype(dtype)
     K = w.shape[-1] // BLOCK_BYTES[kind] * 256
-    n = w.size // BLOCK_BYTES[kind] * 64  # threads: four values each
+    quads = w.size // BLOCK_BYTES[kind] * 64  # four values each
+    threads = -(-quads // 128) * 32  # four quads each (whole SIMD groups: 128 quads per 32 threads)
     (out,) = _DEQ[kind, dtype](
-        [w, constant(n, mx.uint32)], [(*w.shape[:-1], K)], [dtype], grid=(n, 1, 1),
-        threadgroup=(min(256, n), 1, 1), template=None, which=which,
+        [w, constant(quads, mx.uint32)], [(*w.shape[:-1], K)], [dtype], grid=(threads, 1, 1),
+        threadgroup=(min(256, threads), 1, 1), template=None, which=which,
     )
     return out
