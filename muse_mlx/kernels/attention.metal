@@ -102,7 +102,8 @@
 // then (GATE) the attention output gate o * (1 / (1 + exp(-g))), as ggml_sigmoid then ggml_mul.
 // inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [3],
 //         pos [1]
-// outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF
+// outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF,
+// CB (splits loaded at a time)
     const uint d = thread_position_in_threadgroup.x;
     const uint h = threadgroup_position_in_grid.y;
     const uint kvh = h / G, g = h % G;
@@ -115,23 +116,24 @@
     const int chunk = (n + splits - 1) / splits;
     const int used = (n + chunk - 1) / chunk;
     const uint base = kvh * uint(splits);
-    // four splits' loads at a time, ahead of the arithmetic that waits for them
+    // CB splits' loads at a time, all issued before the arithmetic that waits for them: the
+    // chains below are serial, so one memory round trip per CB splits instead of per split
     float m_all = -INFINITY;
-    for (int s = 0; s < used; s += 4) {
-        float pm[4];
-        for (int u = 0; u < 4; ++u) pm[u] = part_m[(base + uint(min(s + u, used - 1))) * G + g];
-        for (int u = 0; u < 4; ++u) m_all = max(m_all, pm[u]);  // max: any order, any repeats
+    for (int s = 0; s < used; s += CB) {
+        float pm[CB];
+        for (int u = 0; u < CB; ++u) pm[u] = part_m[(base + uint(min(s + u, used - 1))) * G + g];
+        for (int u = 0; u < CB; ++u) m_all = max(m_all, pm[u]);  // max: any order, any repeats
     }
     float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < used; s += 4) {
-        float pm[4], po[4], pl[4];
-        for (int u = 0; u < 4; ++u) {
+    for (int s = 0; s < used; s += CB) {
+        float pm[CB], po[CB], pl[CB];
+        for (int u = 0; u < CB; ++u) {
             const uint p = (base + uint(min(s + u, used - 1))) * G + g;
             pm[u] = part_m[p];
             pl[u] = part_l[p];
             po[u] = part_o[(ulong)p * D + d];
         }
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < CB; ++u) {
             if (s + u < used) {
                 const float w = exp(pm[u] - m_all);
                 num = fma(w, po[u], num);

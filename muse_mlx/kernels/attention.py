@@ -19,6 +19,7 @@ from .fp import CPU
 F32 = mx.float32
 CMAX = 32  # keys per split at most: splits = ceil(cap / CMAX), so short caches still fill the GPU
 NT = 128  # threads of a partial-pass threadgroup
+CB = 32  # splits whose partial results the combine loads at once
 
 _PACK = Kernel("attention", "kv_pack_f16", ["k", "v"], ["kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
@@ -125,6 +126,7 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
     (out,) = _COMBINE(
         [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom, pos], [shape], [F32],
         grid=(d_head, h, 1), threadgroup=(d_head, 1, 1),
-        template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset)], which=which,
+        template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset), ("CB", CB)],
+        which=which,
     )
     return out
