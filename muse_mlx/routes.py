@@ -53,6 +53,7 @@ class Route:
         # and activations rounded to half, as llama.cpp's Metal mul_mm rounds them (MLX's f16
         # matmul sums in float32 but also rounds its output to half, which ggml does not).
         self.batched = None
+        self.layer_sync = True  # batched prefill: evaluate layer by layer (bounds its memory)
 
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""

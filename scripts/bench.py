@@ -90,18 +90,20 @@ def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
     return out
 
 
-def time_op(fn, reps: int, width: int) -> float:
+def time_op(fn, reps: int, width: int, inputs: list | None = None) -> float:
     """Device seconds per call of ``fn(y)``: ``reps`` calls on distinct activation rows (so that
     nothing is merged) replayed as one compiled graph -- Python's per-call cost, which would
-    otherwise dominate a 30-microsecond kernel, is paid once at the trace. Median of 5."""
-    ys = [mx.random.normal((1, width)) for _ in range(reps)]
+    otherwise dominate a 30-microsecond kernel, is paid once at the trace. Median of 5.
+    ``inputs``: the distinct arguments themselves (for an op whose input is not an activation
+    row, e.g. a matrix to dequantize: calls on one array would be merged into one)."""
+    ys = inputs if inputs is not None else [mx.random.normal((1, width)) for _ in range(reps)]
     f = mx.compile(lambda *a: [fn(y) for y in a])
     mx.eval(ys, f(*ys))
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
         mx.eval(f(*ys))
-        times.append((time.perf_counter() - t0) / reps)
+        times.append((time.perf_counter() - t0) / len(ys))
     return statistics.median(times)
 
 
@@ -223,8 +225,8 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
     D, H, Hkv, hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
     rows = []
 
-    def add(name, fn, width, nbytes=0):
-        t = time_op(fn, reps, width)
+    def add(name, fn, width, nbytes=0, inputs=None):
+        t = time_op(fn, reps, width, inputs)
         rows.append(dict(op=name, us=t * 1e6, gbps=nbytes / t / 1e9 if nbytes else None))
         log(f"  {name:60} {t * 1e6:9.1f} us" + (f"  {nbytes / t / 1e9:7.0f} GB/s" if nbytes else ""))
 
@@ -252,11 +254,13 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
     # a prefill chunk: the dequantization of one FFN matrix (each type, each output dtype), then
     # matmuls of 512 tokens against it
     for qt, kind in ((T.Q4_K, "q4_K"), (T.Q6_K, "q6_K")):
-        wq = random_blocks(g.n_ff, D, qt, rng)
+        mats = [random_blocks(g.n_ff, D, qt, rng) for _ in range(4)]  # distinct, or compile merges the calls
         for dt, dname in ((mx.float32, "f32"), (mx.float16, "f16")):
             add(f"dequantize_rows (prefill) {g.n_ff}x{D} {kind} -> {dname}",
-                lambda y, wq=wq, kind=kind, dt=dt: K.dequantize_rows(wq, kind, dt) + y[0, 0].astype(dt), D,
-                wq.nbytes + g.n_ff * D * dt.size)
+                lambda wq, kind=kind, dt=dt: K.dequantize_rows(wq, kind, dt), D,
+                mats[0].nbytes + g.n_ff * D * dt.size, inputs=mats)
+        wq = mats[0]
+        del mats
     wf = K.dequantize_rows(wq, kind)
     x = mx.random.normal((512, D))
     mx.eval(wf, x)
@@ -371,9 +375,13 @@ def dispatch_count(model, ctx: int, rng) -> dict:
     return dict(route_ops=sum(ops.values()), graph_primitives=sum(prims.values()), by_op=ops, by_primitive=prims)
 
 
-def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched") -> float:
+def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: bool = True):
+    """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt."""
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
+    model.route.layer_sync = layer_sync
+    mx.clear_cache()
+    mx.reset_peak_memory()
     with batched_prefill(model.route, mode):
         for run in range(runs + 1):
             cache = model.make_cache()
@@ -386,7 +394,8 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
             if run:
                 rates.append(n / dt)
             del cache
-    return statistics.median(rates)
+    model.route.layer_sync = True
+    return statistics.median(rates), mx.get_peak_memory()
 
 
 def flag_sets(route: str, wanted: str | None) -> list[tuple[str, ...]]:
@@ -412,6 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement; 0 skips it (default: %(default)s)")
     ap.add_argument("--prefill-modes", default="batched,batched-f16",
                     help="prefill modes measured on the pinned route without flags (default: %(default)s)")
+    ap.add_argument("--prefill-sync-ab", action="store_true",
+                    help="also time each prefill as one graph, without the layer-by-layer evaluation")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
@@ -499,6 +510,7 @@ def main(argv=None) -> int:
             compiles = [False] if (args.no_compile or K.backend() == "cpu" or route == "stock") else [True, False]
             entry = dict(route=name, load_s=load_s, weight_bytes=wbytes, loaded_peak_bytes=loaded_peak,
                          file_bytes=file_bytes, decode=[])
+            mx.reset_peak_memory()
             entry["dispatches"] = dispatch_count(model, contexts[0], rng)
             log(f"  {name}: {entry['dispatches']['route_ops']} route ops, "
                 f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
@@ -511,16 +523,19 @@ def main(argv=None) -> int:
                     entry["decode"].append(r)
                     log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}: {r['tok_s']:7.1f} tok/s = "
                         f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}")
+            entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
+            log(f"    decode peak memory {entry['peak_bytes'] / 1e9:.1f} GB = {entry['peak_bytes'] / file_bytes:.2f} x file")
             if args.prefill and (not flags or flags == ("tail_32sg",)):
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
-                entry["prefill_tok_s"] = {}
+                entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
                 for mode in modes:
-                    entry["prefill_tok_s"][mode] = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng,
-                                                                vocab, mode)
-                    log(f"    prefill {args.prefill} ({mode}): {entry['prefill_tok_s'][mode]:.0f} tok/s")
-                    mx.clear_cache()
-            entry["peak_bytes"] = mx.get_peak_memory()
-            log(f"    peak memory {entry['peak_bytes'] / 1e9:.1f} GB = {entry['peak_bytes'] / file_bytes:.2f} x file")
+                    for sync in (True, False) if args.prefill_sync_ab else (True,):
+                        key = mode + ("" if sync else " (one graph)")
+                        rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync)
+                        entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak
+                        log(f"    prefill {args.prefill} ({key}): {rate:.0f} tok/s, peak memory "
+                            f"{peak / 1e9:.1f} GB = {peak / file_bytes:.2f} x file")
+                        mx.clear_cache()
             report["routes"].append(entry)
         model.route.flags = frozenset()
         del model
