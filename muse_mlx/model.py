@@ -106,9 +106,8 @@ class Block(nn.Module):
     def decode_attention(self, a: mx.array, route: Route, cache, pos: mx.array, slot) -> mx.array:
         """One new token (batch 1) straight into the cache planes, in as few dispatches as the route has.
 
-        The four projections are one matvec dispatch, the Q- and K-norms one norm dispatch, RoPE
-        one op over the query and key heads together; K and V are packed to f16 and written in
-        place at ``slot``; attention and its output gate read the planes directly. Every kernel
+        The four projections are one matvec dispatch; the Q- and K-norms, RoPE and the f16 K
+        and V are one more; K and V are written in place at ``slot``; attention and its output gate read the planes directly. Every kernel
         reads its part of the projection output where it lies (an offset, not a slice: each slice
         or reshape would be one more op per layer). ``pos`` is the token's position as an int32
         [1] array, so nothing here depends on a Python-side count.
@@ -118,16 +117,13 @@ class Block(nn.Module):
         qw, kw = cfg.q_width, cfg.kv_width
         ws = [self.attn_q, self.attn_k, self.attn_v] + ([self.attn_gate] if cfg.attn_gate else [])
         y = tap("QKVG", route.project(a, ws), il)  # [1, 1, q | k | v | gate]
-        if cfg.qk_norm:
-            qk = route.qk_norm(y, self.qk_norm_weights(), cfg.rms_eps, H + Hkv, (1, H + Hkv, 1, D))
-        else:
-            qk = y[..., : qw + kw].reshape(1, H + Hkv, 1, D)
-        if self.use_rope:
-            qk = self._rope(qk, pos)
-        qk = tap("QKcur", qk, il)
+        # the Q/K-norms, RoPE and the f16 K/V for the cache: one dispatch
+        qk, kv = route.qk_rope_pack(y, self.qk_norm_weights() if cfg.qk_norm else None, cfg.rms_eps, pos,
+                                    self.rope_table() if self.use_rope else None, cfg, qw + kw,
+                                    (1, H + Hkv, 1, D), (2, 1, Hkv, 1, D))
+        qk, kv = tap("QKcur", qk, il), tap("kv_cache", kv, il)
         # q*q_scale then a scale of 1 is, bit for bit, the kernel's q*scale with scale = q_scale
         scale = cfg.kq_scale if cfg.q_scale is None else cfg.q_scale
-        kv = tap("kv_cache", route.kv_pack(qk, y, kw, qw, qw + kw, (2, 1, Hkv, 1, D)), il)
         cache.write_token(kv, slot)
         o = route.attn_decode(qk, cache.kv, pos, cache.decode_geometry(), scale, H,
                               y if cfg.attn_gate else None, qw + 2 * kw, (1, 1, qw))
@@ -144,6 +140,17 @@ class Block(nn.Module):
             ])
             mx.eval(self._qk_w)
         return self._qk_w
+
+    def rope_table(self) -> mx.array:
+        """The decode kernel's RoPE constants for this layer (:func:`~muse_mlx.kernels.rope_table`), made once."""
+        if getattr(self, "_rope_t", None) is None:
+            from .kernels import rope_table
+
+            cfg = self.cfg
+            freqs = None if self.rope_freqs is None else np.array(self.rope_freqs)
+            self._rope_t = rope_table(cfg.rope_dims, self.rope_base, self.rope_scale, freqs)
+            mx.eval(self._rope_t)
+        return self._rope_t
 
     def _rope(self, x: mx.array, offset: int) -> mx.array:
         cfg = self.cfg
@@ -196,9 +203,11 @@ class Model(nn.Module):
         for c in cache:
             c.reserve_for(self.cfg, total)
             c.decode_geometry()
-        if self.cfg.qk_norm:
-            for b in self.blk:
+        for b in self.blk:
+            if self.cfg.qk_norm:
                 b.qk_norm_weights()
+            if b.use_rope:
+                b.rope_table()
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Token rows (dequantized), scaled or normed as the architecture's graph does."""

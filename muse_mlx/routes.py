@@ -234,15 +234,13 @@ class PinnedRoute(Route):
         return (cfg.attn_softcap is None and cfg.head_dim % 4 == 0 and cfg.head_dim <= 1024 and fits and scales
                 and "split_norm_f16" not in self.flags)
 
-    def qk_norm(self, y, weights, eps, rows, out_shape):
-        """The Q- and K-norms of one token in one dispatch: the first ``rows`` head-rows of ``y``."""
-        self.count("rms_norm_mul")
-        return kernels.rms_norm_mul(y, weights, eps, geometry=self.geometry, n=out_shape[-1], rows=rows,
-                                    out_shape=out_shape)
-
-    def kv_pack(self, k_src, v_src, n, k_offset, v_offset, out_shape):
-        self.count("kv_pack_f16")
-        return kernels.kv_pack_f16(k_src, v_src, n, k_offset, v_offset, out_shape)
+    def qk_rope_pack(self, y, weights, eps, pos, rope, cfg, v_offset, qk_shape, kv_shape):
+        """A token's Q/K-norms (the pinned norm's bits), RoPE and f16 K/V: one dispatch."""
+        self.count("qk_rope_pack")
+        return kernels.qk_rope_pack(
+            y, weights, eps, pos, rope, rows=cfg.n_head + cfg.n_head_kv, hkv=cfg.n_head_kv, d=cfg.head_dim,
+            rd=cfg.rope_dims, traditional=cfg.rope_traditional, v_offset=v_offset,
+            nth=kernels.norm_threads(cfg.head_dim, self.geometry), qk_shape=qk_shape, kv_shape=kv_shape)
 
     def attn_decode(self, q, planes, pos, geometry, scale, n_head, gate, gate_offset, out_shape):
         self.count("attn_decode_partial + combine", 2)

@@ -241,7 +241,11 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
                                                                       traditional=True, base=10000.0, scale=1.0,
                                                                       offset=mx.array([100], dtype=mx.int32)),
         (H + Hkv) * hd)
-    add("kv_pack_f16", lambda y: K.kv_pack_f16(y, y, Hkv * hd, 0, Hkv * hd), 2 * Hkv * hd)
+    table = K.rope_table(hd, 10000.0, 1.0)
+    add("qk_rope_pack (the Q/K-norms, RoPE and f16 K/V in one)",
+        lambda y: K.qk_rope_pack(y, qkw, 1e-5, mx.array([100], dtype=mx.int32), table, rows=H + Hkv, hkv=Hkv, d=hd,
+                                 rd=hd, traditional=True, v_offset=0, nth=K.norm_threads(hd, "llama"))[0],
+        (H + Hkv) * hd)
     for ctx, cap, window in ((128, 8192, 0), (4096, 8192, 0), (4096, 4096, 4096)):
         kv = (0.5 * mx.random.normal((2, 1, Hkv, cap, hd))).astype(mx.float16)
         geom = K.attention.decode_geometry(cap, window)

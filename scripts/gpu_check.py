@@ -1,6 +1,6 @@
 """Every pinned kernel against its oracle, bit for bit, on this machine's GPU (CUDA or Metal).
 
-    python scripts/gpu_check.py [--quick] [--json report.json]
+    python scripts/gpu_check.py [--quick] [--only SECTION,...] [--json report.json]
 
 For each kernel and size (the Muse Glimmer sizes 6,656 / 19,968 / head_dim 128, and awkward
 ones: one row, many rows, rows not a multiple of 4, row lengths whose float4 count is not a
@@ -48,6 +48,8 @@ PROBES = {
     "rsqrt": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = rsqrt(x[i]);",
     "exp": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = exp(x[i]);",
     "tanh": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = precise::tanh(x[i]);",
+    "sin": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = sin(x[i]);",
+    "cos": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = cos(x[i]);",
 }
 
 
@@ -254,9 +256,17 @@ def check_decode_kernels(rng, quick):
     got = gpu(K.mul_mv_q8, x, ws)
     want = mx.concatenate([(mul_mv.mul_mv_q4_K_q8_oracle if k == "q4_K" else mul_mv.ORACLES[k])(x, w) for w, k in ws], -1)
     compare("mul_mv_q4_K_q8 multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
-    k, v = randn(rng, 256), randn(rng, 256)
-    compare("kv_pack_f16 == astype(f16)", "2x256", gpu(K.kv_pack_f16, k, v).astype(mx.float32),
-            mx.stack([k, v]).astype(mx.float16).astype(mx.float32))
+    # Q/K-norms + RoPE + f16 K/V (one dispatch) against its oracle given the device's sin and cos
+    for h, hkv, d, trad in ((32, 2, 128, True), (16, 8, 128, False)):
+        rows = h + hkv
+        y, w = randn(rng, rows * d + hkv * d), randn(rng, rows, d)
+        table, pos = attention.rope_table(d, 10000.0, 1.0), mx.array([4321], dtype=mx.int32)
+        kw = dict(rows=rows, hkv=hkv, d=d, rd=d, traditional=trad, v_offset=rows * d, nth=32)
+        qk, kv = gpu(K.qk_rope_pack, y, w, 1e-6, pos, table, **kw)
+        want_qk, want_kv = attention.qk_rope_pack_oracle(y, w, 1e-6, 4321, table, **kw, sin=probe("sin"), cos=probe("cos"))
+        compare("qk_rope_pack (norm, rope, f16 K/V)", f"{h}+{hkv} heads x {d}{' trad' if trad else ' neox'}", qk, want_qk,
+                note="device sin/cos")
+        compare("qk_rope_pack f16 K/V", f"{hkv}x{d}", kv.astype(mx.float32), want_kv.astype(mx.float32))
     qk, w = randn(rng, 34, 128), randn(rng, 34, 128)
     compare("rms_norm_mul per-row weights", "34x128", gpu(K.rms_norm_mul, qk, w, 1e-5),
             rms_norm.rms_norm_mul_oracle(qk, w, 1e-5, None, 32))
@@ -300,11 +310,22 @@ def transcendental_ulps(rng, quick=False):
                 note="the ULP bound of this GPU's function")
 
 
+SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
+                geometries=check_geometries, decode_kernels=check_decode_kernels, decode_step=check_decode_step,
+                transcendentals=transcendental_ulps)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes only (seconds, not minutes)")
     ap.add_argument("--json", help="write the results as JSON to this path")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated sections to run, of: " + ", ".join(SECTIONS) + " (default: all)")
     args = ap.parse_args()
+    only = SECTIONS if args.only is None else args.only.split(",")
+    unknown = set(only) - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s) {', '.join(sorted(unknown))} in --only")
     which = WHICH
     if which not in ("metal", "cuda"):
         print("no Metal or CUDA device: nothing to check (the CPU runs the oracles themselves)")
@@ -315,10 +336,8 @@ def main() -> int:
     print(json.dumps(info))
     rng = np.random.default_rng(20261129)
     t0 = time.time()
-    for step in (check_norms, check_tails, check_matvecs, check_ffn, check_geometries, check_decode_kernels,
-                 check_decode_step):
-        step(rng, args.quick)
-    transcendental_ulps(rng, args.quick)
+    for name in only:
+        SECTIONS[name](rng, args.quick)
     failed = [r for r in RESULTS if not r["ok"]]
     print(f"\n{len(RESULTS)} comparisons, {sum(r['exact'] for r in RESULTS)} bit-for-bit, "
           f"{len(failed)} failed, {time.time() - t0:.0f} s")

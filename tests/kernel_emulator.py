@@ -29,9 +29,9 @@ The model, and why it is faithful for these kernels:
   contraction as an explicit ``fma()``, so this is what their text means; a body that leaves
   one to the compiler (the legacy ``tail_32sg``) gets the GPU compilers' default, fusing,
   only with ``contract=True``. ``half`` is ``_Float16`` (conversions
-  round to nearest even, as on the GPU). ``exp``/``tanh`` are the C library's ``expf``/
-  ``tanhf`` -- *not* the GPU's, so kernels using them are compared through an oracle given
-  the same function -- and ``rsqrt(x)`` is ``1.0f / sqrt(x)``, not the GPU's approximation.
+  round to nearest even, as on the GPU). ``exp``/``tanh``/``sin``/``cos`` are the C
+  library's ``expf``/``tanhf``/``sinf``/``cosf`` -- *not* the GPU's, so kernels using them
+  are compared through an oracle given the same function -- and ``rsqrt(x)`` is ``1.0f / sqrt(x)``, not the GPU's approximation.
 * Outputs start as all-ones bytes (a NaN in float) unless ``init_value`` is given, so an
   element the kernel never writes cannot pass a bit comparison; every buffer has guard
   bytes on both sides, and a write past either end fails the launch.
@@ -334,6 +334,8 @@ inline float dot(float4 a, float4 b) { return fma(a.w, b.w, fma(a.z, b.z, fma(a.
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }  // NOT the GPU's approximate rsqrt
 inline float exp(float x) { return std::exp(x); }            // the C library's expf
+inline float sin(float x) { return std::sin(x); }            // sinf
+inline float cos(float x) { return std::cos(x); }            // cosf
 namespace precise {
 inline float tanh(float x) { return std::tanh(x); }          // the C library's tanhf
 }

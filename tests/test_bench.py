@@ -33,8 +33,8 @@ def test_bench_reports_every_route_and_flag(tmp_path):
             assert d["tok_s"] > 0
             assert d["tb_s"] == pytest.approx(e["weight_bytes"] * d["tok_s"] / 1e12)
             assert d["of_copy"] == pytest.approx(d["tb_s"] / r["copy_tb_s"])
-    # the pinned decode path's accounting (tests/test_pinned_route.py): 2 + 10 per layer + head + embedding
-    assert r["routes"][0]["dispatches"]["route_ops"] == 2 + 10 * L + 2
+    # the pinned decode path's accounting (tests/test_pinned_route.py): 2 + 9 per layer + head + embedding
+    assert r["routes"][0]["dispatches"]["route_ops"] == 2 + 9 * L + 2
     assert set(r["routes"][0]["prefill_tok_s"]) == {"batched", "batched-f16"}
     assert min(r["routes"][0]["prefill_tok_s"].values()) > 0 and r["routes"][2]["prefill_tok_s"]["batched"] > 0
     assert "prefill_tok_s" not in r["routes"][1]  # flag sets other than tail_32sg skip it

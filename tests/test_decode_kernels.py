@@ -109,13 +109,6 @@ def test_decode_attention_oracle_matches_float64(h, hkv, d, cap, window, pos):
     np.testing.assert_allclose(got, attention64(q, kv, pos, window, scale, g), rtol=1e-5, atol=1e-6)
 
 
-def test_kv_pack_rounds_to_nearest_even_f16():
-    k, v = arr(256), arr(256)
-    packed = np.array(K.kv_pack_f16(k, v))
-    np.testing.assert_array_equal(packed[0].view(np.uint16), np.array(k).astype(np.float16).view(np.uint16))
-    np.testing.assert_array_equal(packed[1].view(np.uint16), np.array(v).astype(np.float16).view(np.uint16))
-
-
 # -- kernel source text on the CPU emulator -------------------------------------------------
 
 
@@ -173,10 +166,7 @@ def test_decode_attention_kernels(h, hkv, d, cap, window, pos, gated):
 
 
 @emulator
-def test_kv_pack_and_per_row_norm_kernels():
-    k, v = arr(256), arr(256)
-    np.testing.assert_array_equal(np.array(emulate_recorded(K.kv_pack_f16, k, v)).view(np.uint16),
-                                  np.array(K.kv_pack_f16(k, v)).view(np.uint16))
+def test_per_row_norm_kernel():
     x, w = arr(6, 128), arr(6, 128)
     assert_bits_equal(emulate_recorded(K.rms_norm_mul, x, w, 1e-6), rms_norm.rms_norm_mul_oracle(x, w, 1e-6, None, 32))
 
@@ -213,3 +203,49 @@ def test_q8_kernel(rows, k, t):
     glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")], glu="silu")
     assert_bits_equal(glu, ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.mul_mv_q4_K_q8_oracle(y, c),
                                            exp=libm("expf")))
+
+
+# -- Q/K-norms, RoPE and the f16 K/V in one dispatch -------------------------------------------
+
+QK_CASES = [  # heads, kv heads, head dim, rope dims, traditional, norm, rope
+    (4, 2, 128, 128, True, True, True), (4, 2, 64, 64, False, True, True), (6, 3, 64, 32, False, True, True),
+    (2, 1, 128, 128, True, False, True), (4, 2, 64, 64, True, True, False),
+]
+
+
+@emulator
+@pytest.mark.parametrize("h,hkv,d,rd,trad,norm,rope", QK_CASES)
+def test_qk_rope_pack_kernel(h, hkv, d, rd, trad, norm, rope):
+    """The kernel against its oracle, given the C library's sinf/cosf (what the emulated kernel calls)."""
+    rows, v_off = h + hkv, (h + hkv) * d + 16  # V further along, as in the projection output
+    y = arr(v_off + hkv * d + 8)
+    w = arr(rows, d) if norm else None
+    table = attention.rope_table(rd, 10000.0, 0.5) if rope else None
+    pos = mx.array([1234], dtype=mx.int32)
+    nth = rms_norm.norm_threads(d, "llama")
+    kw = dict(rows=rows, hkv=hkv, d=d, rd=rd, traditional=trad, v_offset=v_off, nth=nth)
+    got_qk, got_kv = emulate_recorded(K.qk_rope_pack, y, w, 1e-6, pos, table, **kw)
+    want_qk, want_kv = attention.qk_rope_pack_oracle(y, w, 1e-6, 1234, table, **kw, sin=libm("sinf"), cos=libm("cosf"))
+    assert np.array(got_kv).dtype == np.float16
+    assert_bits_equal(got_qk, want_qk)
+    assert_bits_equal(got_kv, want_kv)
+
+
+def test_qk_rope_pack_oracle_is_norm_then_mlx_rope():
+    """The oracle's parts against independent references: the norm is rms_norm_mul's bits, and the
+    rotation agrees with mx.fast.rope (MLX's own RoPE, other rounding) to float32 rounding."""
+    h, hkv, d = 4, 2, 64
+    rows = h + hkv
+    y = arr(rows * d + hkv * d)
+    w = arr(rows, d)
+    nth = rms_norm.norm_threads(d, "llama")
+    for trad in (True, False):
+        kw = dict(rows=rows, hkv=hkv, d=d, rd=d, traditional=trad, v_offset=rows * d, nth=nth)
+        plain, kv = attention.qk_rope_pack_oracle(y, w, 1e-6, 0, None, **kw)
+        assert_bits_equal(plain, rms_norm.rms_norm_mul_oracle(y[: rows * d].reshape(rows, d), w, 1e-6, None, nth))
+        assert_bits_equal(kv[1], y[rows * d :].reshape(hkv, d).astype(mx.float16))
+        roped, _ = attention.qk_rope_pack_oracle(y, w, 1e-6, 77, attention.rope_table(d, 10000.0, 1.0), **kw)
+        ref = mx.fast.rope(plain.reshape(1, rows, 1, d), d, traditional=trad, base=10000.0, scale=1.0, offset=77,
+                           stream=mx.cpu)
+        np.testing.assert_allclose(np.array(roped), np.array(ref).reshape(rows, d), rtol=0, atol=2e-4)
+        assert not np.allclose(np.array(roped), np.array(plain), atol=1e-2)

@@ -76,10 +76,10 @@ def run_probe(body, threads, tg=None, out_size=None):
                    (threads, 1, 1), (tg, 1, 1), None)
 
 
-# -- the C library's float functions, for the kernels that call exp / tanh ------------------
+# -- the C library's float functions, for the kernels that call exp, tanh, sin, cos ----------
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
-for _name in ("expf", "tanhf"):
+for _name in ("expf", "tanhf", "sinf", "cosf"):
     getattr(_LIBM, _name).restype = ctypes.c_float
     getattr(_LIBM, _name).argtypes = [ctypes.c_float]
 

@@ -84,23 +84,23 @@ def test_fused_ffn_dtype_guard_falls_back(tiny):
 
 
 def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
-    """Ch 12 §12.5: 2 standalone norms + 2 per layer fused tails; the decode path adds one QK-norm
-    dispatch per layer (Q and K together), one projection dispatch (q, k, v, gate), one GLU
-    dispatch (gate, up, SiLU), the K/V pack, and two attention dispatches (partial, combine)."""
+    """Ch 12 §12.5: 2 standalone norms + 2 per layer fused tails; the decode path adds one
+    projection dispatch per layer (q, k, v, gate), one for the Q/K-norms, RoPE and the f16 K/V
+    together, one GLU dispatch (gate, up, SiLU), and two attention dispatches (partial, combine)."""
     model = load_model(tiny("muse-glimmer"), "pinned")
     cache = model.make_cache()
     model(mx.array([TOKENS[:5]]), cache)
     model.route.dispatches.clear()
     model(mx.array([[7]]), cache, last_only=True)
     d, L = model.route.dispatches, model.cfg.n_layer
-    assert d["rms_norm_mul"] == 2 + L
+    assert d["rms_norm_mul"] == 2
     assert d["fused_norm_residual_rms_norm_batch_dual_eps"] == 2 * L
-    assert d["mul_mv_multi_f32"] == L and d["mul_mv_glu_q4_K_f32"] == L and d["kv_pack_f16"] == L
+    assert d["mul_mv_multi_f32"] == L and d["mul_mv_glu_q4_K_f32"] == L and d["qk_rope_pack"] == L
     assert d["attn_decode_partial + combine"] == 2 * L
     # attn_output and ffn_down per layer, and the head
     assert d["mul_mv_q4_K_f32"] + d["mul_mv_q6_K_f32"] == 2 * L + 1
     assert d["dequant_rows"] == 1  # the token's embedding row
-    assert sum(d.values()) == 2 + 10 * L + 1 + 1
+    assert sum(d.values()) == 2 + 9 * L + 1 + 1
 
 
 def test_prefill_dispatches_one_matvec_per_matrix_unless_batched(tiny):

@@ -17,14 +17,14 @@ function                               reference
 ``dequantize_rows(w, kind)``           raw rows -> float32, bit-equal to gguf-py
 ``mul_mv_q8(y, [(w, kind), ..], glu)``  opt-in int8-activation Q4_K matvec (flag mv_q8; NOT exact)
 ``attn_decode(q, kv, pos, geom, ..)``  one token's GQA attention + output gate (not pinned)
-``kv_pack_f16(k, v)``                  the token's K and V rounded to f16, side by side
+``qk_rope_pack(y, w, eps, pos, rope)``  Q/K-norms, RoPE and the f16 K/V of a token, one dispatch
 ``silu_mul(g, u)`` / ``gelu_mul``      seeds Ch 18 ``muser_silu_mul_inplace`` / ggml geglu
 ``ffn_q4k_gate_up_4r2s(x, wg, wu)``    seeds Ch 18 §18.5 ``ffn_q4k_gate_up_silu_4r2s``
 =====================================  ====================================================
 """
 
 from . import attention, ffn, mul_mv, norm_tail, rms_norm
-from .attention import attn_decode, kv_pack_f16
+from .attention import attn_decode, qk_rope_pack, rope_table
 from .backend import backend
 from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
 from .mul_mv import dequantize_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K, mul_mv_q8
@@ -34,7 +34,7 @@ from .rms_norm import GEOMETRIES, norm_threads, rms_norm_batch, rms_norm_f16, rm
 ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS + attention.KERNELS
 
 __all__ = [
-    "attn_decode", "kv_pack_f16", "dequantize_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
+    "attn_decode", "qk_rope_pack", "rope_table", "dequantize_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
     "backend", "ffn_q4k_gate_up_4r2s", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
     "tail_32sg", "tail_dual_eps", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
     "rms_norm_mul", "ALL_KERNELS",

@@ -8,14 +8,66 @@
 // (lo = pos - WINDOW + 1 on sliding layers); position p lives in slot p % CAP (a ring buffer
 // when CAP is the window, a plain buffer when CAP > pos).
 
-// ==== kernel: kv_pack_f16
-// The new token's K and V, rounded to f16 as llama.cpp stores them, side by side. They are read
-// where they already are (N values from offset KOFF of k, VOFF of v): no slicing op before.
-// inputs: k, v (float32); outputs: kv [2, N] (float16); templates N, KOFF, VOFF
-    const uint i = thread_position_in_grid.x;
-    if (i < N) {
-        kv[i] = half(k[KOFF + i]);
-        kv[N + i] = half(v[VOFF + i]);
+// ==== kernel: qk_rope_pack
+// The decode path's step from the projections to the attention: the Q- and K-norms (NORM),
+// RoPE (ROPE) and the f16 K/V for the cache, in one dispatch. One threadgroup per head row of
+// y (ROWS = H + HKV rows of D: the query heads, then the key heads). The norm is
+// rms_norm_mul's (the same reduction with NTH threads, the same bits); RoPE is MLX's
+// formula with its own, fixed order: theta = (scale * pos) * inv_freq[j], then
+// x1' = fma(x1, cos, -(x2 * sin)), x2' = fma(x1, sin, x2 * cos), where the pair (x1, x2) is
+// (2j, 2j+1) (TRAD) or (j, j + RD/2), for j < RD/2; values past RD pass through.
+// inputs: y (f32: the ROWS head rows from 0, V's HKV rows from VOFF), w [ROWS, D] (norm
+//         weights; any array without NORM), eps [1], pos [1] (int32), rope [1 + RD/2]
+//         (f32: scale, then inv_freq)
+// outputs: qk [ROWS, D] (f32), kv [2, HKV, D] (f16: the key rows of qk, then V)
+// grid (NTH * ROWS, 1, 1), threadgroup (NTH, 1, 1); templates D, NTH, ROWS, HKV, NORM, ROPE,
+// TRAD, RD, VOFF
+    const uint row = threadgroup_position_in_grid.x;
+    const uint tid = thread_index_in_threadgroup;
+    const uint sgitg = simdgroup_index_in_threadgroup;
+    const uint tiisg = thread_index_in_simdgroup;
+    threadgroup float shmem[32];
+    threadgroup float normed[D];
+    device const float4* x4 = (device const float4*)(y + row * D);
+    float scale = 1.0f;
+    if (NORM) {  // rms_norm_mul's reduction, line for line
+        if (sgitg == 0) shmem[tiisg] = 0.0f;
+        float sumf = 0.0f;
+        for (uint i = tid; i < D / 4; i += NTH) sumf += dot(x4[i], x4[i]);
+        sumf = simd_sum(sumf);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (tiisg == 0) shmem[sgitg] = sumf;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        sumf = simd_sum(shmem[tiisg]);
+        const float mean = sumf / float(D);
+        scale = 1.0f / sqrt(mean + eps[0]);
+    }
+    device const float4* w4 = (device const float4*)(w + (NORM ? row * D : 0));
+    for (uint i = tid; i < D / 4; i += NTH) {
+        float4 v = x4[i];
+        if (NORM) v = (v * scale) * w4[i];
+        for (int e = 0; e < 4; ++e) normed[4 * i + e] = v[e];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const float L = rope[0] * float(pos[0]);
+    const uint kr = row - (ROWS - HKV);  // key head of this row (rows past ROWS - HKV)
+    for (uint i = tid; i < D; i += NTH) {
+        float o = normed[i];
+        if (ROPE && i < RD) {
+            const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
+            const uint j = TRAD ? i / 2 : (first ? i : i - RD / 2);
+            const uint partner = TRAD ? (first ? i + 1 : i - 1) : (first ? i + RD / 2 : i - RD / 2);
+            const float theta = L * rope[1 + j];
+            const float c = cos(theta), s = sin(theta);
+            const float x1 = first ? o : normed[partner];
+            const float x2 = first ? normed[partner] : o;
+            o = first ? fma(x1, c, -(x2 * s)) : fma(x1, s, x2 * c);
+        }
+        qk[row * D + i] = o;
+        if (row >= ROWS - HKV) {
+            kv[kr * D + i] = half(o);
+            kv[(HKV + kr) * D + i] = half(y[VOFF + kr * D + i]);
+        }
     }
 
 // ==== kernel: attn_decode_partial

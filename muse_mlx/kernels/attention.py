@@ -2,7 +2,7 @@
 
 ``attn_decode(q, kv, pos, window, scale, gate)`` is one new token's attention, GQA, with the
 attention output gate folded in: two dispatches (a split-K partial pass, then the combine).
-``kv_pack_f16(k, v)`` rounds the token's K and V to f16 side by side, for the cache write.
+``qk_rope_pack(y, ...)`` is the step before it: the Q/K-norms, RoPE and the f16 K/V of the token.
 The order of every float operation is the oracle's (scores as an fma chain over the head
 dimension, each split's max / exp / sum / fma chain over its keys, then the splits in order);
 ``exp`` is the device's on a GPU and a parameter of the oracle.
@@ -11,6 +11,7 @@ dimension, each split's max / exp / sum / fma chain over its keys, then the spli
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import fp
 from .backend import Kernel, backend, constant
@@ -21,11 +22,11 @@ CMAX = 32  # keys per split at most: splits = ceil(cap / CMAX), so short caches 
 NT = 128  # threads of a partial-pass threadgroup
 CB = 32  # splits whose partial results the combine loads at once
 
-_PACK = Kernel("attention", "kv_pack_f16", ["k", "v"], ["kv"])
+_QK_ROPE_PACK = Kernel("attention", "qk_rope_pack", ["y", "w", "eps", "pos", "rope"], ["qk", "kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
                   ["part_m", "part_l", "part_o"])
 _COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom", "pos"], ["out"])
-KERNELS = (_PACK, _PARTIAL, _COMBINE)
+KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE)
 
 
 def splits_for(cap: int) -> int:
@@ -37,21 +38,67 @@ def decode_geometry(cap: int, window: int) -> mx.array:
     return mx.array([cap, window, splits_for(cap)], dtype=mx.int32)
 
 
-def kv_pack_f16(k: mx.array, v: mx.array, n: int | None = None, k_offset: int = 0, v_offset: int = 0,
-                out_shape=None, which=None) -> mx.array:
-    """``[2, n]`` float16 (or ``out_shape``): ``n`` values of ``k`` from ``k_offset`` (flat), then of
-    ``v`` from ``v_offset``, rounded to nearest even. Defaults: all of ``k`` and ``v``."""
+def rope_table(dims: int, base: float | None, scale: float, freqs=None) -> mx.array:
+    """``[scale, inv_freq_0, ...]`` (float32) for :func:`qk_rope_pack`: inv_freq_j = base^(-2j/dims),
+    or 1/freqs_j with explicit frequencies (MLX's ``freqs`` argument), rounded from float64."""
+    if freqs is not None:
+        inv = 1.0 / np.array(freqs, np.float64)
+    else:
+        inv = float(base) ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+    return mx.array(np.concatenate([[scale], inv]).astype(np.float32))
+
+
+def qk_rope_pack_oracle(y, w, eps, pos: int, rope, *, rows, hkv, d, rd, traditional, v_offset, nth,
+                        sin=fp.sin, cos=fp.cos):
+    """The kernel's float operations in order, on the CPU: ``(qk [rows, d], kv [2, hkv, d] f16)``."""
+    from .rms_norm import rms_norm_mul_oracle
+
+    with mx.stream(CPU):
+        flat = y.astype(F32).reshape(-1)
+        x = flat[: rows * d].reshape(rows, d)
+        x = rms_norm_mul_oracle(x, w, eps, None, nth) if w is not None else x
+        if rope is not None:
+            L = rope[0] * mx.array(float(pos), F32)
+            theta = L * rope[1:]  # [rd/2]
+            c, s = cos(theta), sin(theta)
+            if traditional:
+                x1, x2 = x[:, 0:rd:2], x[:, 1:rd:2]
+            else:
+                x1, x2 = x[:, : rd // 2], x[:, rd // 2 : rd]
+            r1 = fp.fma(x1, c, -(x2 * s))
+            r2 = fp.fma(x1, s, x2 * c)
+            if traditional:
+                rot = mx.stack([r1, r2], axis=-1).reshape(rows, rd)
+            else:
+                rot = mx.concatenate([r1, r2], axis=-1)
+            x = mx.concatenate([rot, x[:, rd:]], axis=-1)
+        v = flat[v_offset : v_offset + hkv * d].reshape(hkv, d)
+        kv = mx.stack([x[rows - hkv :], v]).astype(mx.float16)
+        return x, kv
+
+
+def qk_rope_pack(y, w, eps: float, pos: mx.array, rope, *, rows: int, hkv: int, d: int, rd: int,
+                 traditional: bool, v_offset: int, nth: int, qk_shape=None, kv_shape=None, which=None):
+    """One token's Q/K heads normed (``w``: ``[rows, d]`` per-row weights, or None) and roped
+    (``rope``: :func:`rope_table`, or None), and its K/V rounded to f16 for the cache, in one
+    dispatch. ``y`` holds the ``rows`` head rows from its start and V's ``hkv`` rows from
+    ``v_offset`` (flat). Returns ``(qk [rows, d] float32, kv [2, hkv, d] float16)`` (or the shapes given)."""
     which = which or backend()
-    n = k.size if n is None else n
-    shape = (2, n) if out_shape is None else tuple(out_shape)
+    qk_shape = (rows, d) if qk_shape is None else tuple(qk_shape)
+    kv_shape = (2, hkv, d) if kv_shape is None else tuple(kv_shape)
     if which == "cpu":
-        kk = k.astype(F32).reshape(-1)[k_offset : k_offset + n]
-        vv = v.astype(F32).reshape(-1)[v_offset : v_offset + n]
-        return mx.stack([kk, vv]).astype(mx.float16).reshape(shape)
-    (kv,) = _PACK([k.astype(F32), v.astype(F32)], [shape], [mx.float16], grid=(n, 1, 1),
-                  threadgroup=(min(256, n), 1, 1), template=[("N", n), ("KOFF", k_offset), ("VOFF", v_offset)],
-                  which=which)
-    return kv
+        qk, kv = qk_rope_pack_oracle(y, w, eps, int(pos.reshape(-1)[0].item()), rope, rows=rows, hkv=hkv, d=d,
+                                     rd=rd, traditional=traditional, v_offset=v_offset, nth=nth)
+        return qk.reshape(qk_shape), kv.reshape(kv_shape)
+    template = [("D", d), ("NTH", nth), ("ROWS", rows), ("HKV", hkv), ("NORM", int(w is not None)),
+                ("ROPE", int(rope is not None)), ("TRAD", int(traditional)), ("RD", rd), ("VOFF", v_offset)]
+    y32 = y.astype(F32)
+    qk, kv = _QK_ROPE_PACK(
+        [y32, y32 if w is None else w.astype(F32), constant(float(eps), F32), pos, y32 if rope is None else rope],
+        [qk_shape, kv_shape], [F32, mx.float16], grid=(nth * rows, 1, 1), threadgroup=(nth, 1, 1),
+        template=template, which=which,
+    )
+    return qk, kv
 
 
 def attn_decode_oracle(q, kv, pos: int, window: int, scale: float, gate=None, exp=fp.exp, n_head=None) -> mx.array:

@@ -13,6 +13,7 @@ could contract a plain ``a*b + c`` too -- with ``fma`` there is nothing left to 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..quants import _f16
 
@@ -128,6 +129,19 @@ def correctly_rounded(fn64):
     return f
 
 
+def _numpy64(fn):
+    """A float32 function through numpy's float64 one (sin, cos: correctly rounded to float32
+    but for rare double roundings; MLX's own float64 transcendentals are float32-accurate)."""
+
+    def f(x):
+        with mx.stream(CPU):
+            return mx.array(fn(np.array(x.astype(mx.float32), np.float64)).astype(np.float32))
+
+    return f
+
+
 exp = correctly_rounded(_exp64)
+sin = _numpy64(np.sin)
+cos = _numpy64(np.cos)
 tanh = correctly_rounded(_tanh64)
 rsqrt = correctly_rounded(lambda x: 1.0 / mx.sqrt(x))
