@@ -251,9 +251,9 @@ class Model(nn.Module):
             c = None if cache is None else cache[i]
             hidden, a = block(hidden, a, route, masks[block.is_swa], c, nxt, self.kv_dtype,
                               (pos, slots[i]) if decode else None)
-            if route.batched is not None and route.layer_sync and not decode:
-                # a batched prefill dequantizes every matrix of the layer: computing layer by
-                # layer frees them before the next layer's exist (the GPU may run far ahead)
+            if route.batched is not None and route.layer_sync and not decode and (i + 1) % route.layer_sync == 0:
+                # a batched prefill dequantizes every matrix of a layer: evaluating every few
+                # layers frees them before later layers' exist (the GPU may run far ahead)
                 mx.eval(hidden, a)
         if advance:
             for c in cache:

@@ -53,7 +53,8 @@ class Route:
         # and activations rounded to half, as llama.cpp's Metal mul_mm rounds them (MLX's f16
         # matmul sums in float32 but also rounds its output to half, which ggml does not).
         self.batched = None
-        self.layer_sync = True  # batched prefill: evaluate layer by layer (bounds its memory)
+        # batched prefill: evaluate every this many layers (bounds its memory; 0: one graph)
+        self.layer_sync = 4
 
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""

@@ -379,7 +379,7 @@ def dispatch_count(model, ctx: int, rng) -> dict:
     return dict(route_ops=sum(ops.values()), graph_primitives=sum(prims.values()), by_op=ops, by_primitive=prims)
 
 
-def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: bool = True):
+def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: int = 4):
     """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt."""
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
@@ -398,7 +398,7 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
             if run:
                 rates.append(n / dt)
             del cache
-    model.route.layer_sync = True
+    model.route.layer_sync = 4
     return statistics.median(rates), mx.get_peak_memory()
 
 
@@ -419,14 +419,14 @@ def main(argv=None) -> int:
     ap.add_argument("--routes", default="pinned,stock", help="routes to measure, comma-separated (default: %(default)s)")
     ap.add_argument("--flags", default=None,
                     help="pinned flag sets, comma-separated, '+' within a set, '' for none (default: none, then each flag)")
-    ap.add_argument("--contexts", default="128,4096", help="decode contexts (default: %(default)s)")
+    ap.add_argument("--contexts", default="128,4096", help="decode contexts; empty: no decode (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per timed run (default: %(default)s)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per measurement, after one warm-up (default: %(default)s)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill measurement; 0 skips it (default: %(default)s)")
     ap.add_argument("--prefill-modes", default="batched,batched-f16",
                     help="prefill modes measured on the pinned route without flags (default: %(default)s)")
     ap.add_argument("--prefill-sync-ab", action="store_true",
-                    help="also time each prefill as one graph, without the layer-by-layer evaluation")
+                    help="also time each prefill evaluated every 1 and 13 layers and as one graph (default: every 4)")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
     if args.tiny:
         g, vocab = TINY_GEOMETRY, 2048
     if args.small or args.tiny:
-        args.contexts = ",".join(str(min(int(c), 512)) for c in args.contexts.split(","))
+        args.contexts = ",".join(str(min(int(c), 512)) for c in args.contexts.split(",") if c)
     rng = np.random.default_rng(0)
     report: dict = dict(
         date=datetime.date.today().isoformat(), mlx=mx.__version__, device=str(mx.default_device()),
@@ -515,9 +515,10 @@ def main(argv=None) -> int:
             entry = dict(route=name, load_s=load_s, weight_bytes=wbytes, loaded_peak_bytes=loaded_peak,
                          file_bytes=file_bytes, decode=[])
             mx.reset_peak_memory()
-            entry["dispatches"] = dispatch_count(model, contexts[0], rng)
-            log(f"  {name}: {entry['dispatches']['route_ops']} route ops, "
-                f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
+            if contexts:
+                entry["dispatches"] = dispatch_count(model, contexts[0], rng)
+                log(f"  {name}: {entry['dispatches']['route_ops']} route ops, "
+                    f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
             for compiled in compiles:
                 for ctx in contexts:
                     n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
@@ -528,13 +529,15 @@ def main(argv=None) -> int:
                     log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}: {r['tok_s']:7.1f} tok/s = "
                         f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}")
             entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
-            log(f"    decode peak memory {entry['peak_bytes'] / 1e9:.1f} GB = {entry['peak_bytes'] / file_bytes:.2f} x file")
+            if contexts:
+                log(f"    decode peak memory {entry['peak_bytes'] / 1e9:.1f} GB = "
+                    f"{entry['peak_bytes'] / file_bytes:.2f} x file")
             if args.prefill and (not flags or flags == ("tail_32sg",)):
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
                 entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
                 for mode in modes:
-                    for sync in (True, False) if args.prefill_sync_ab else (True,):
-                        key = mode + ("" if sync else " (one graph)")
+                    for sync in (4, 1, 13, 0) if args.prefill_sync_ab else (4,):
+                        key = mode + ("" if sync == 4 else f" (eval every {sync} layers)" if sync else " (one graph)")
                         rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync)
                         entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak
                         log(f"    prefill {args.prefill} ({key}): {rate:.0f} tok/s, peak memory "
