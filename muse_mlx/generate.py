@@ -44,8 +44,10 @@ class GenerationResponse:
     finish_reason: str | None = None
 
 
-# how a prompt is pre-filled: the dtype a batched prefill dequantizes to, or None (matvecs)
-PREFILL_MODES = {"batched": mx.float32, "batched-f16": mx.float16, "exact": None}
+# how a prompt is pre-filled: the dtype a batched prefill dequantizes to (None: matvecs), and
+# every how many layers it is evaluated (bounding the dequantized matrices alive at once; the
+# H200 measurements of docs/performance.md: float32 is fastest layer by layer, f16 every 4)
+PREFILL_MODES = {"batched": (mx.float32, 1), "batched-f16": (mx.float16, 4), "exact": (None, 0)}
 
 
 def generate_step(
@@ -122,12 +124,12 @@ def generate_step(
 @contextlib.contextmanager
 def batched_prefill(route, mode: str = "batched"):
     """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`)."""
-    before = route.batched
-    route.batched = PREFILL_MODES[mode]
+    before = route.batched, route.layer_sync
+    route.batched, route.layer_sync = PREFILL_MODES[mode]
     try:
         yield
     finally:
-        route.batched = before
+        route.batched, route.layer_sync = before
 
 
 def _raise_nonfinite(model, tokens: list[int], n: int):

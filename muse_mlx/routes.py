@@ -53,8 +53,9 @@ class Route:
         # and activations rounded to half, as llama.cpp's Metal mul_mm rounds them (MLX's f16
         # matmul sums in float32 but also rounds its output to half, which ggml does not).
         self.batched = None
-        # batched prefill: evaluate every this many layers (bounds its memory; 0: one graph)
-        self.layer_sync = 4
+        # batched prefill: evaluate every this many layers (bounds its memory; 0: one graph);
+        # set with `batched` by generate.batched_prefill
+        self.layer_sync = 0
 
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""

@@ -379,14 +379,16 @@ def dispatch_count(model, ctx: int, rng) -> dict:
     return dict(route_ops=sum(ops.values()), graph_primitives=sum(prims.values()), by_op=ops, by_primitive=prims)
 
 
-def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: int = 4):
-    """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt."""
+def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: int | None = None):
+    """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt; ``layer_sync``:
+    evaluate every this many layers (0: one graph; default: the mode's, as generate does)."""
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
-    model.route.layer_sync = layer_sync
     mx.clear_cache()
     mx.reset_peak_memory()
     with batched_prefill(model.route, mode):
+        if layer_sync is not None:
+            model.route.layer_sync = layer_sync
         for run in range(runs + 1):
             cache = model.make_cache()
             model.prepare_decode(cache, n + 8)
@@ -398,7 +400,6 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
             if run:
                 rates.append(n / dt)
             del cache
-    model.route.layer_sync = 4
     return statistics.median(rates), mx.get_peak_memory()
 
 
@@ -406,7 +407,7 @@ def flag_sets(route: str, wanted: str | None) -> list[tuple[str, ...]]:
     if route == "stock":
         return [()]
     sets = [()] + [(f,) for f in PINNED_FLAGS]
-    if wanted:
+    if wanted is not None:
         sets = [tuple(s.split("+")) if s else () for s in wanted.split(",")]
     return sets
 
@@ -426,7 +427,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-modes", default="batched,batched-f16",
                     help="prefill modes measured on the pinned route without flags (default: %(default)s)")
     ap.add_argument("--prefill-sync-ab", action="store_true",
-                    help="also time each prefill evaluated every 1 and 13 layers and as one graph (default: every 4)")
+                    help="also time each prefill evaluated every 1, 4 and 13 layers and as one graph "
+                         "(besides the mode's default, generate's)")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
@@ -536,8 +538,8 @@ def main(argv=None) -> int:
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
                 entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
                 for mode in modes:
-                    for sync in (4, 1, 13, 0) if args.prefill_sync_ab else (4,):
-                        key = mode + ("" if sync == 4 else f" (eval every {sync} layers)" if sync else " (one graph)")
+                    for sync in (None, 1, 4, 13, 0) if args.prefill_sync_ab else (None,):
+                        key = mode + ("" if sync is None else f" (eval every {sync} layers)" if sync else " (one graph)")
                         rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync)
                         entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak
                         log(f"    prefill {args.prefill} ({key}): {rate:.0f} tok/s, peak memory "

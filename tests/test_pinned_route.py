@@ -148,3 +148,18 @@ def test_f16_prefill_matmul_is_a_half_rounded_product(qtype):
     assert (np.abs(got - want) <= step).all()
     assert (got == want).mean() > 0.95
     assert (np.abs(f32 - want) > step).any()  # the float32 prefill's operands are not rounded
+
+
+def test_batched_prefill_evaluated_layer_by_layer_gives_the_same_bits(tiny):
+    """generate evaluates a batched prefill every few layers (to bound its memory): a schedule,
+    not a change of arithmetic, so every period gives the one-graph logits bit for bit."""
+    from muse_mlx.generate import batched_prefill
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    out = {}
+    for period in (0, 1, 3):
+        with batched_prefill(model.route, "batched"):
+            model.route.layer_sync = period
+            out[period] = logits(model, TOKENS)
+    np.testing.assert_array_equal(out[0].view(np.uint64), out[1].view(np.uint64))
+    np.testing.assert_array_equal(out[0].view(np.uint64), out[3].view(np.uint64))
