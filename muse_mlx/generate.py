@@ -70,6 +70,9 @@ def generate_step(
         raise RequestError("the prompt must contain at least one token")
     if prefill not in PREFILL_MODES:
         raise RequestError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    if prefill == "batched-f16" and not model.route.batches_prefill:
+        raise RequestError(f"prefill mode batched-f16 needs the pinned route: the {model.route.name} route "
+                           "pre-fills with MLX's own ops")
     sampler = sampler or make_sampler()
     cache = model.make_cache() if cache is None else cache
     # room for the whole run now, so that decoding never reallocates the planes
@@ -123,7 +126,11 @@ def generate_step(
 
 @contextlib.contextmanager
 def batched_prefill(route, mode: str = "batched"):
-    """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`)."""
+    """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`);
+    a route without a batched prefill of its own (stock) is left as it is."""
+    if not route.batches_prefill:
+        yield
+        return
     before = route.batched, route.layer_sync
     route.batched, route.layer_sync = PREFILL_MODES[mode]
     try:

@@ -42,6 +42,7 @@ class Route:
     """Base: the op set every route implements, and a count of the dispatches it issues."""
 
     name = "?"
+    batches_prefill = False  # whether `batched` (below) changes anything: pinned only
 
     def __init__(self, flags: frozenset[str] = frozenset()):
         self.flags = flags
@@ -158,6 +159,7 @@ class PinnedRoute(Route):
     """
 
     name = "pinned"
+    batches_prefill = True
     # llama.cpp's Metal backend runs kernel_mul_mv for batches of up to 3 tokens.
     MATVEC_MAX_TOKENS = 3
 

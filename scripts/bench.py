@@ -521,6 +521,8 @@ def main(argv=None) -> int:
                 entry["dispatches"] = dispatch_count(model, contexts[0], rng)
                 log(f"  {name}: {entry['dispatches']['route_ops']} route ops, "
                     f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
+            else:
+                log(f"  {name}:")
             for compiled in compiles:
                 for ctx in contexts:
                     n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
@@ -538,7 +540,8 @@ def main(argv=None) -> int:
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
                 entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
                 for mode in modes:
-                    for sync in (None, 1, 4, 13, 0) if args.prefill_sync_ab else (None,):
+                    ab = args.prefill_sync_ab and model.route.batches_prefill
+                    for sync in (None, 1, 4, 13, 0) if ab else (None,):
                         key = mode + ("" if sync is None else f" (eval every {sync} layers)" if sync else " (one graph)")
                         rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync)
                         entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak

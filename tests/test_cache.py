@@ -170,6 +170,13 @@ def test_decode_step_equals_the_models_own_decode_path(tiny):
         n = min(c.capacity, d.capacity)
         np.testing.assert_array_equal(np.array(c.kv)[:, :, :, :n].view(np.uint16),
                                       np.array(d.kv)[:, :, :, :n].view(np.uint16))
+    # the caches moved on without the step (more prompt): the step's position follows them
+    for c in (a, b):
+        model(mx.array([TOKENS[:3]]), c)
+    for t in TOKENS[:4]:
+        want = np.array(model(mx.array([[t]]), a)[0, -1])
+        np.testing.assert_array_equal(np.array(step(mx.array([t]))).view(np.uint32), want.view(np.uint32))
+    assert a[0].offset == b[0].offset == len(TOKENS) + 7
     with pytest.raises(ValueError, match="prepared for 64 positions"):
         for _ in range(64):
             step(mx.array([1]))

@@ -148,3 +148,6 @@ def test_exact_and_batched_prefill_give_the_same_greedy_tokens(tiny):
     assert exact == batched
     with pytest.raises(RequestError, match="prefill must be one of"):
         next(generate_step(prompt, model, prefill="fast"))
+    stock, _ = load(tiny("muse-glimmer"), "stock")
+    with pytest.raises(RequestError, match="batched-f16 needs the pinned route"):
+        next(generate_step(prompt, stock, prefill="batched-f16"))

@@ -12,11 +12,9 @@
 // ==== header
 // float(v) for an integer v < 2^23, without the integer-to-float unit (a quarter-rate unit on
 // NVIDIA): v in the mantissa of 2^23, minus 2^23. Both steps are exact, so the value is float(v).
-MUSE_FN float u2f(uint v) { return as_type<float>(0x4B000000u | v) - 8388608.0f; }
-
-// The same with the 2^23 pattern in a register whose value the compiler cannot know (see
-// q4K_lane_sums): then `(w & mask) | magic` is one three-input logic op (LOP3) per weight on
-// NVIDIA, where two constant operands cost two. Same value, same bits.
+// `magic` is that 2^23 pattern (0x4B000000), passed in a register whose value the compiler
+// cannot know (see q4K_lane_sums): then `(w & mask) | magic` is one three-input logic op (LOP3)
+// per weight on NVIDIA, where two constant operands cost two. Same value, same bits.
 MUSE_FN float u2f_m(uint v, uint magic) { return as_type<float>(magic | v) - 8388608.0f; }
 
 // Byte k of x in the mantissa of the pattern `magic` (0x4B000000): as_type<float> of it, minus

@@ -168,7 +168,9 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
 MV_GEOMETRIES = {
     "ggml": (2, 2, 1),
     # H200, 2026-12-01 (bench.py --tune): twelve geometries within about +-10 % of each other for
-    # Q4_K, ggml's among the fastest; Q6_K gains ~20 % on ffn_down and 5 % on the head at 4x4.
+    # Q4_K, ggml's among the fastest; Q6_K gained ~20 % on ffn_down and 5 % on the head at 4x4 in
+    # the first session. After that session's instruction cuts, 2x2 measured ~5 % faster on Q6_K
+    # (within run-to-run noise); 4x4 stays, as the decode figures were measured with it.
     # Metal: unmeasured, so ggml's.
     "tuned": {"cuda": {"q4_K": (2, 2, 1), "q6_K": (4, 4, 1)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
 }
