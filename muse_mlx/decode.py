@@ -37,8 +37,10 @@ class DecodeStep:
     def _step(self, token, pos, *planes):
         for c, p in zip(self.cache, planes):
             c.kv = p
-        # a global layer's slot is the position itself, a sliding layer's the position in its ring
-        slots = [pos % c.window if isinstance(c, RingKVCache) else pos for c in self.cache]
+        # a global layer's slot is the position itself, a sliding layer's the position in its
+        # ring (one op per window size, not per layer)
+        rings = {c.window: pos % c.window for c in self.cache if isinstance(c, RingKVCache)}
+        slots = [rings[c.window] if isinstance(c, RingKVCache) else pos for c in self.cache]
         logits = self.model(token, self.cache, last_only=True, positions=(pos, slots))
         return (logits[0, -1], pos + 1) + tuple(c.kv for c in self.cache)
 

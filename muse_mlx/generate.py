@@ -61,8 +61,8 @@ def generate_step(
     dequantization and MLX's float32 matmul instead of one matvec per token; MLX's CUDA matmul
     rounds its float32 operands to TF32 unless ``MLX_ENABLE_TF32=0``); ``"batched-f16"``
     dequantizes to half and rounds the activations to half (llama.cpp Metal's mul_mm operands;
-    the products are summed in float32, and MLX rounds the sums to half too); ``"exact"`` keeps the route's one-token kernels for
-    every prompt token (slow, batch-1 bits).
+    the products are summed in float32, and MLX rounds the sums to half too); ``"exact"``
+    keeps the route's one-token kernels for every prompt token (slow, batch-1 bits).
     Decoding goes through :class:`~muse_mlx.decode.DecodeStep` when the route has a one-token
     decode path (``compiled``: replay one ``mx.compile`` trace; default: on a GPU).
     """

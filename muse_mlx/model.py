@@ -107,10 +107,11 @@ class Block(nn.Module):
         """One new token (batch 1) straight into the cache planes, in as few dispatches as the route has.
 
         The four projections are one matvec dispatch; the Q- and K-norms, RoPE and the f16 K
-        and V are one more; K and V are written in place at ``slot``; attention and its output gate read the planes directly. Every kernel
-        reads its part of the projection output where it lies (an offset, not a slice: each slice
-        or reshape would be one more op per layer). ``pos`` is the token's position as an int32
-        [1] array, so nothing here depends on a Python-side count.
+        and V are one more; K and V are written in place at ``slot``; attention and its output
+        gate read the planes directly. Every kernel reads its part of the projection output where
+        it lies (an offset, not a slice: each slice or reshape would be one more op per layer).
+        ``pos`` is the token's position as an int32 [1] array, so nothing here depends on a
+        Python-side count.
         """
         cfg, il = self.cfg, self.layer
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim

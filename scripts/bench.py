@@ -539,9 +539,9 @@ def main(argv=None) -> int:
             if args.prefill and (not flags or flags == ("tail_32sg",)):
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
                 entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
+                syncs = (None, 1, 4, 13, 0) if args.prefill_sync_ab and model.route.batches_prefill else (None,)
                 for mode in modes:
-                    ab = args.prefill_sync_ab and model.route.batches_prefill
-                    for sync in (None, 1, 4, 13, 0) if ab else (None,):
+                    for sync in syncs:
                         key = mode + ("" if sync is None else f" (eval every {sync} layers)" if sync else " (one graph)")
                         rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync)
                         entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak

@@ -8,6 +8,13 @@
 // (lo = pos - WINDOW + 1 on sliding layers); position p lives in slot p % CAP (a ring buffer
 // when CAP is the window, a plain buffer when CAP > pos).
 
+// ==== header
+// The first position a token at `pos` sees (0, or the window's start on sliding layers), and
+// the keys per split when `n` keys are cut into `splits` equal splits: the partial pass and the
+// combine must agree on both.
+MUSE_FN int first_visible(int pos, int window) { return window > 0 ? max(0, pos - window + 1) : 0; }
+MUSE_FN int split_keys(int n, int splits) { return (n + splits - 1) / splits; }
+
 // ==== kernel: qk_rope_pack
 // The decode path's step from the projections to the attention: the Q- and K-norms (NORM),
 // RoPE (ROPE) and the f16 K/V for the cache, in one dispatch. One threadgroup per head row of
@@ -85,9 +92,9 @@
     const int cap = geom[0];
     const int window = geom[1];
     const int splits = geom[2];
-    const int lo = window > 0 ? max(0, p_new - window + 1) : 0;
+    const int lo = first_visible(p_new, window);
     const int n = p_new - lo + 1;
-    const int chunk = (n + splits - 1) / splits;
+    const int chunk = split_keys(n, splits);
     const int j0 = int(s) * chunk;
     const int cnt = max(0, min(n, j0 + chunk) - j0);
     const uint part = kvh * uint(splits) + s;  // row of the partial outputs
@@ -164,8 +171,8 @@
     // exp(-inf) * 0 = +0, which changes nothing, so it is not read at all
     const int p_new = pos[0];
     const int window = geom[1];
-    const int n = p_new - (window > 0 ? max(0, p_new - window + 1) : 0) + 1;
-    const int chunk = (n + splits - 1) / splits;
+    const int n = p_new - first_visible(p_new, window) + 1;
+    const int chunk = split_keys(n, splits);
     const int used = (n + chunk - 1) / chunk;
     const uint base = kvh * uint(splits);
     // CB splits' loads at a time, all issued before the arithmetic that waits for them: the

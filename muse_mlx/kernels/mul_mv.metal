@@ -111,13 +111,14 @@ MUSE_FN float4 q4K_dequant4(device const uchar* w, uint s) {
     return out;
 }
 
-// Values 4s .. 4s+3 of a run of Q6_K blocks (gguf-py's bits). Value v = 128h + 32k + l: low
-// nibble (k < 2) or high nibble of ql byte 64h + l + 32(k%2), high bits 2k.. of qh byte 32h + l.
+// Four bytes from a 2-byte aligned address (Q6_K blocks are 210 bytes: only ushorts are aligned).
 MUSE_FN uint load_u32_from_u16(device const uchar* p) {
     device const ushort* s = (device const ushort*)p;
     return uint(s[0]) | (uint(s[1]) << 16);
 }
 
+// Values 4s .. 4s+3 of a run of Q6_K blocks (gguf-py's bits). Value v = 128h + 32k + l: low
+// nibble (k < 2) or high nibble of ql byte 64h + l + 32(k%2), high bits 2k.. of qh byte 32h + l.
 MUSE_FN float4 q6K_dequant4(device const uchar* w, uint s) {
     const uint blk_i = s / 64, v = 4 * (s % 64);
     const uint h = v / 128, k = (v % 128) / 32, l = v % 32;
@@ -132,6 +133,12 @@ MUSE_FN float4 q6K_dequant4(device const uchar* w, uint s) {
         out[e] = scale * float(int(code) - 32);
     }
     return out;
+}
+
+// Values 4s .. 4s+3 of a run of blocks of type TYPE (0 Q4_K, 1 Q6_K).
+template <int TYPE>
+MUSE_FN float4 dequant4(device const uchar* w, uint s) {
+    return TYPE == 0 ? q4K_dequant4(w, s) : q6K_dequant4(w, s);
 }
 
 // Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
@@ -197,7 +204,6 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 // Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
 // Blocks are 2-byte aligned, so quants are read as ushorts.
-
 template <int NA, int NB>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
@@ -382,48 +388,28 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = apply_activation<ACT>(gate, up);
     }
 
-// ==== kernel: dequant_q4_K_f32
-// Raw Q4_K rows -> float32, bit-equal to gguf-py: (d*sc)*q - dmin*m, where both products are
-// exact (11-bit d times a 6-bit scale times a 4-bit code), so a contracted fma gives the same
-// bits. For the batched prefill's matmul. A "quad" is 4 consecutive values; thread s takes
-// quads DEQ_QUADS(s) -- four, 32 apart, so a SIMD group's stores are four contiguous 512-byte
-// runs -- and loads all four before converting any.
-// inputs: w [n_blocks * 144] (uint8), count [1] (quads = values / 4); outputs: out [n_blocks * 256]
+// ==== kernel: dequant_f32
+// Raw Q4_K (TYPE 0) or Q6_K (TYPE 1) rows -> float32, bit-equal to gguf-py (q4K_dequant4,
+// q6K_dequant4). For the batched prefill's matmul and the embedding row. A "quad" is 4
+// consecutive values; thread s takes four quads, 32 apart, so a SIMD group's stores are four
+// contiguous 512-byte runs, and loads all four before converting any.
+// inputs: w [n_blocks * block bytes] (uint8), count [1] (quads = values / 4);
+// outputs: out [n_blocks * 256]; template TYPE
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
     float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = q4K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1));
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0]) ((device float4*)out)[q0 + 32 * k] = v[k];
 
-// ==== kernel: dequant_q4_K_f16
+// ==== kernel: dequant_f16
 // The same values rounded to half (round to nearest even), for an f16 prefill matmul.
-// inputs: w [n_blocks * 144] (uint8), count [1] (quads); outputs: out [n_blocks * 256] (half)
+// inputs: w [n_blocks * block bytes] (uint8), count [1] (quads); outputs: out [n_blocks * 256]
+// (half); template TYPE
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
     float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = q4K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
-    for (int k = 0; k < 4; ++k)
-        if (q0 + 32 * k < count[0])
-            for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);
-
-// ==== kernel: dequant_q6_K_f32
-// Raw Q6_K rows -> float32, bit-equal to gguf-py: (d*sc)*(q - 32), d*sc exact, one rounding.
-// Quads as in dequant_q4_K_f32 (one int8 scale covers four quads).
-// inputs: w [n_blocks * 210] (uint8), count [1] (quads); outputs: out [n_blocks * 256]
-    const uint s = thread_position_in_grid.x;
-    const uint q0 = (s / 32) * 128 + s % 32;
-    float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = q6K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
-    for (int k = 0; k < 4; ++k)
-        if (q0 + 32 * k < count[0]) ((device float4*)out)[q0 + 32 * k] = v[k];
-
-// ==== kernel: dequant_q6_K_f16
-// inputs: w [n_blocks * 210] (uint8), count [1] (quads); outputs: out [n_blocks * 256] (half)
-    const uint s = thread_position_in_grid.x;
-    const uint q0 = (s / 32) * 128 + s % 32;
-    float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = q6K_dequant4(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1));
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0])
             for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);

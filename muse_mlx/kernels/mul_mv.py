@@ -201,8 +201,8 @@ _Q4_K = Kernel("mul_mv", "mul_mv_q4_K_f32", ["w", "y"], ["dst"])
 _Q6_K = Kernel("mul_mv", "mul_mv_q6_K_f32", ["w", "y"], ["dst"])
 _MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y"], ["dst"])
 _GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y"], ["dst"], uses=("ffn",))
-_DEQ = {(kind, dt): Kernel("mul_mv", f"dequant_{kind}_{name}", ["w", "count"], ["out"])
-        for kind in ("q4_K", "q6_K") for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
+_DEQ = {dt: Kernel("mul_mv", f"dequant_{name}", ["w", "count"], ["out"])
+        for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
 KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, *_DEQ.values())
 BLOCK_BYTES = {"q4_K": 144, "q6_K": 210}
 TYPE_CODE = {"q4_K": 0, "q6_K": 1}
@@ -400,8 +400,8 @@ def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.
     K = w.shape[-1] // BLOCK_BYTES[kind] * 256
     quads = w.size // BLOCK_BYTES[kind] * 64  # four values each
     threads = -(-quads // 128) * 32  # four quads each (whole SIMD groups: 128 quads per 32 threads)
-    (out,) = _DEQ[kind, dtype](
+    (out,) = _DEQ[dtype](
         [w, constant(quads, mx.uint32)], [(*w.shape[:-1], K)], [dtype], grid=(threads, 1, 1),
-        threadgroup=(min(256, threads), 1, 1), template=None, which=which,
+        threadgroup=(min(256, threads), 1, 1), template=[("TYPE", TYPE_CODE[kind])], which=which,
     )
     return out
