@@ -233,8 +233,10 @@ def check_decode_kernels(rng, quick):
                 mx.array(want.astype(np.float16).astype(np.float32)))
     # decode attention: a flat buffer, a ring that has wrapped, a window in a flat buffer
     cases = [(32, 2, 128, 8192, 0, 4000), (32, 2, 128, 4096, 4096, 6000), (32, 2, 128, 8192, 4096, 8191),
-             (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300), (4, 2, 32, 2048, 0, 1500)]
-    # (the last: 63 splits hold keys, so the combine loads them in two rounds of 32)
+             (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300), (4, 2, 32, 2048, 0, 1500),
+             (4, 2, 32, 2048, 0, 40), (32, 2, 128, 8192, 0, 128)]
+    # (2048 at pos 1500: 47 splits hold keys, so the combine loads them in two rounds of 32; then
+    # a short context in a large cache: 2 of 64 and 5 of 256 splits hold keys)
     for h, hkv, d, cap, window, pos in cases[3:] if quick else cases:
         q = randn(rng, h, d, scale=0.3)
         kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))

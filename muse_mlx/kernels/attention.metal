@@ -10,10 +10,11 @@
 
 // ==== header
 // The first position a token at `pos` sees (0, or the window's start on sliding layers), and
-// the keys per split when `n` keys are cut into `splits` equal splits: the partial pass and the
-// combine must agree on both.
+// how many splits hold keys when `n` keys are cut, in order, into splits of `cmax`: the partial
+// pass and the combine must agree on both. Splits of a fixed size keep the combine's serial
+// chain as long as the context needs, whatever the capacity (the grid has capacity / cmax).
 MUSE_FN int first_visible(int pos, int window) { return window > 0 ? max(0, pos - window + 1) : 0; }
-MUSE_FN int split_keys(int n, int splits) { return (n + splits - 1) / splits; }
+MUSE_FN int splits_used(int n, int cmax) { return (n + cmax - 1) / cmax; }
 
 // ==== kernel: qk_rope_pack
 // The decode path's step from the projections to the attention: the Q- and K-norms (NORM),
@@ -94,9 +95,8 @@ MUSE_FN int split_keys(int n, int splits) { return (n + splits - 1) / splits; }
     const int splits = geom[2];
     const int lo = first_visible(p_new, window);
     const int n = p_new - lo + 1;
-    const int chunk = split_keys(n, splits);
-    const int j0 = int(s) * chunk;
-    const int cnt = max(0, min(n, j0 + chunk) - j0);
+    const int j0 = int(s) * CMAX;  // split s holds keys j0 .. j0 + CMAX - 1 (those below n)
+    const int cnt = max(0, min(n - j0, CMAX));
     const uint part = kvh * uint(splits) + s;  // row of the partial outputs
 
     // q rows padded to D + 1 floats: the G heads a SIMD group reads at one d fall in different banks
@@ -117,12 +117,14 @@ MUSE_FN int split_keys(int n, int splits) { return (n + splits - 1) / splits; }
         device const half* krow = kplane + (ulong)slot * D;
         const int qg = g * (D + 1);
         float acc = 0.0f;
-        for (int d = 0; d < D; d += 4) {
-            const float k0 = float(krow[d]), k1 = float(krow[d + 1]), k2 = float(krow[d + 2]), k3 = float(krow[d + 3]);
-            acc = fma(qs[qg + d + 0], k0, acc);
-            acc = fma(qs[qg + d + 1], k1, acc);
-            acc = fma(qs[qg + d + 2], k2, acc);
-            acc = fma(qs[qg + d + 3], k3, acc);
+        for (int d = 0; d < D; d += 8) {
+            // eight halves per 16-byte load (rows are D halves, D a multiple of 8), in order
+            const uint4 k8 = *(device const uint4*)(krow + d);
+            const uint kw[4] = {k8.x, k8.y, k8.z, k8.w};
+            for (int e = 0; e < 8; ++e) {
+                const float k = float(as_type<half>(ushort((kw[e / 2] >> (16 * (e % 2))) & 0xFFFFu)));
+                acc = fma(qs[qg + d + e], k, acc);
+            }
         }
         sc[g * CMAX + jj] = acc;
     }
@@ -162,7 +164,7 @@ MUSE_FN int split_keys(int n, int splits) { return (n + splits - 1) / splits; }
 // inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [3],
 //         pos [1]
 // outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF,
-// CB (splits loaded at a time)
+// CMAX (keys per split), CB (splits loaded at a time)
     const uint d = thread_position_in_threadgroup.x;
     const uint h = threadgroup_position_in_grid.y;
     const uint kvh = h / G, g = h % G;
@@ -172,8 +174,7 @@ MUSE_FN int split_keys(int n, int splits) { return (n + splits - 1) / splits; }
     const int p_new = pos[0];
     const int window = geom[1];
     const int n = p_new - first_visible(p_new, window) + 1;
-    const int chunk = split_keys(n, splits);
-    const int used = (n + chunk - 1) / chunk;
+    const int used = splits_used(n, CMAX);
     const uint base = kvh * uint(splits);
     // CB splits' loads at a time, all issued before the arithmetic that waits for them: the
     // chains below are serial, so one memory round trip per CB splits instead of per split

@@ -18,7 +18,10 @@ from .backend import Kernel, backend, constant
 from .fp import CPU
 
 F32 = mx.float32
-CMAX = 32  # keys per split at most: splits = ceil(cap / CMAX), so short caches still fill the GPU
+# Keys per split: keys are cut in order into splits of CMAX, so a context of n keys uses
+# ceil(n / CMAX) splits and the combine's serial chain is that long, whatever the capacity; the
+# grid has ceil(cap / CMAX) splits (a static shape) and the empty ones return at once.
+CMAX = 32
 NT = 128  # threads of a partial-pass threadgroup
 CB = 32  # splits whose partial results the combine loads at once
 
@@ -119,7 +122,7 @@ def attn_decode_oracle(q, kv, pos: int, window: int, scale: float, gate=None, ex
         s = mx.zeros((hkv, g_per, n), F32)
         for d in range(d_head):
             s = fp.fma(qs[:, :, d : d + 1], k[:, None, :, d], s)
-        chunk = -(-n // splits)
+        chunk = CMAX  # keys in order, CMAX per split; the splits past ceil(n / CMAX) are empty
         pad = splits * chunk - n
         valid = mx.arange(splits * chunk) < n
         s = mx.pad(s, [(0, 0), (0, 0), (0, pad)]).reshape(hkv, g_per, splits, chunk)
@@ -173,7 +176,8 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
     (out,) = _COMBINE(
         [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom, pos], [shape], [F32],
         grid=(d_head, h, 1), threadgroup=(d_head, 1, 1),
-        template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset), ("CB", CB)],
+        template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset),
+                  ("CMAX", CMAX), ("CB", CB)],
         which=which,
     )
     return out

@@ -1,0 +1,324 @@
+"""Where a decoded token's time goes on an NVIDIA GPU: every kernel's start and end, from CUPTI.
+
+    python scripts/gpu_timeline.py --file PATH [--route pinned] [--flags mv_q8] [--ctx 128] [--tokens 8]
+
+Decodes ``--tokens`` tokens of a checkpoint FILE (made if missing: the release geometry, as
+``bench.py`` makes it) the way ``bench.py`` and ``generate`` do (compiled ``DecodeStep``,
+pipelined with ``mx.async_eval``), with CUPTI's activity API recording what the GPU ran. It
+prints, per token: the span on the GPU, the time inside kernels, the gaps between them, and
+per kernel the count, the mean and the total; ``--json`` writes the records too.
+
+Timings in ``bench.py`` replay an op alone; this shows the ops as they run together, with the
+idle time between them that no per-kernel table can show.
+
+CUPTI is NVIDIA's profiling library: ``libcupti.so`` of the driver's CUDA major version, from
+``pip install nvidia-cuda-cupti`` or a CUDA toolkit. ``--cupti PATH`` (or ``MUSE_MLX_CUPTI``)
+names it; otherwise it is looked for beside the other ``nvidia`` wheels and on the loader path.
+The records are read with ctypes, at the offsets of ``CUpti_ActivityKernel10`` (CUDA 13.0's
+``cupti_activity.h``); their first fields have kept these offsets since CUDA 11.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+KIND_MEMCPY, KIND_MEMSET, KIND_CONCURRENT_KERNEL = 1, 2, 10
+# byte offsets in the activity records (cupti_activity.h, CUDA 13.0; checked with offsetof)
+_START, _END = 16, 24
+_KERNEL_STREAM, _KERNEL_GRID, _KERNEL_BLOCK, _KERNEL_NAME = 48, 52, 64, 104
+_COPY_STREAM, _COPY_BYTES = 40, 8
+_BUFFER_BYTES = 8 << 20
+
+
+class CuptiError(RuntimeError):
+    pass
+
+
+def find_cupti(explicit: str | None = None) -> str:
+    """The path of libcupti, or a CuptiError that says where it was looked for."""
+    candidates = [explicit or os.environ.get("MUSE_MLX_CUPTI")]
+    for root in sys.path:
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib", "libcupti.so*")))
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_cupti", "lib", "libcupti.so*")))
+    candidates.append(ctypes.util.find_library("cupti"))
+    for c in candidates:
+        if c and (os.path.exists(c) or "/" not in c):
+            return c
+    raise CuptiError("libcupti not found: pip install nvidia-cuda-cupti (the driver's CUDA major version), "
+                     "or pass --cupti PATH / set MUSE_MLX_CUPTI")
+
+
+class KernelTimeline:
+    """Records the kernels, copies and memsets the GPU runs inside a ``with`` block.
+
+    ``records`` is a list of dicts: ``kind`` ("kernel", "memcpy", "memset"), ``name``,
+    ``start``/``end`` (ns, the GPU's timestamps on CPU time), ``stream`` and, for kernels,
+    ``grid``/``block``."""
+
+    def __init__(self, library: str | None = None):
+        path = find_cupti(library)
+        try:
+            self._lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise CuptiError(f"cannot load {path}: {e}") from None
+        self.records: list[dict] = []
+        self._buffers: dict[int, ctypes.Array] = {}
+        request = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+                                   ctypes.POINTER(ctypes.c_size_t))
+        complete = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t,
+                                    ctypes.c_size_t)
+        self._request, self._complete = request(self._on_request), complete(self._on_complete)
+
+    def _check(self, result: int, what: str) -> None:
+        if result != 0:
+            msg = ctypes.c_char_p()
+            self._lib.cuptiGetResultString(result, ctypes.byref(msg))
+            raise CuptiError(f"{what} failed: {msg.value.decode() if msg.value else result}")
+
+    def _on_request(self, buffer, size, max_records):
+        buf = (ctypes.c_uint64 * (_BUFFER_BYTES // 8))()  # 8-byte aligned, as CUPTI requires
+        self._buffers[ctypes.addressof(buf)] = buf
+        buffer[0] = ctypes.addressof(buf)
+        size[0] = _BUFFER_BYTES
+        max_records[0] = 0
+
+    def _on_complete(self, context, stream_id, buffer, size, valid):
+        record = ctypes.c_void_p()
+        while self._lib.cuptiActivityGetNextRecord(ctypes.c_void_p(buffer), ctypes.c_size_t(valid),
+                                                   ctypes.byref(record)) == 0:
+            self.records.append(parse_record(record.value))
+        self._buffers.pop(buffer, None)
+
+    def __enter__(self):
+        self._check(self._lib.cuptiActivityRegisterCallbacks(self._request, self._complete), "cuptiActivityRegisterCallbacks")
+        for kind in (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET):
+            self._check(self._lib.cuptiActivityEnable(kind), f"cuptiActivityEnable({kind})")
+        return self
+
+    def __exit__(self, *exc):
+        self._check(self._lib.cuptiActivityFlushAll(1), "cuptiActivityFlushAll")  # 1: forced flush
+        for kind in (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET):
+            self._lib.cuptiActivityDisable(kind)
+        self.records = [r for r in self.records if r is not None]
+        return False
+
+
+def parse_record(addr: int) -> dict | None:
+    """One activity record at ``addr`` as a dict (None for kinds not asked for)."""
+    u32 = lambda off: ctypes.c_uint32.from_address(addr + off).value  # noqa: E731
+    u64 = lambda off: ctypes.c_uint64.from_address(addr + off).value  # noqa: E731
+    kind = u32(0)
+    if kind == KIND_CONCURRENT_KERNEL:
+        name = ctypes.c_char_p.from_address(addr + _KERNEL_NAME).value or b"?"
+        return dict(kind="kernel", name=short_name(name.decode(errors="replace")), start=u64(_START), end=u64(_END),
+                    stream=u32(_KERNEL_STREAM), grid=[u32(_KERNEL_GRID + 4 * i) for i in range(3)],
+                    block=[u32(_KERNEL_BLOCK + 4 * i) for i in range(3)])
+    if kind in (KIND_MEMCPY, KIND_MEMSET):
+        what = "memcpy" if kind == KIND_MEMCPY else "memset"
+        return dict(kind=what, name=f"{what} {u64(_COPY_BYTES)} B", start=u64(_START), end=u64(_END),
+                    stream=u32(_COPY_STREAM))
+    return None
+
+
+_NESTED = re.compile(r"(\d+)")
+
+
+def short_name(mangled: str) -> str:
+    """A readable kernel name: MLX's custom kernels by their own name, C++ kernels by their
+    qualified name without template arguments (a partial Itanium demangle: enough to group)."""
+    m = re.search(r"custom_kernel_([A-Za-z0-9_]+)", mangled)
+    if m:
+        return re.sub(r"_[0-9a-f]{8,}$", "", m.group(1))
+    if not mangled.startswith("_Z"):
+        return mangled
+    s = mangled[2:]
+    nested = s.startswith("N")
+    s = s[1:] if nested else s
+    parts = []
+    while s and s[0].isdigit():
+        n = int(_NESTED.match(s).group(1))
+        digits = len(str(n))
+        parts.append(s[digits:digits + n])
+        s = s[digits + n:]
+        if not nested:
+            break
+        # skip one template-argument list ("I...E") after a component, nesting included
+        if s.startswith("I"):
+            depth = 0
+            for i, ch in enumerate(s):
+                depth += ch == "I"
+                depth -= ch == "E"
+                if depth == 0:
+                    s = s[i + 1:]
+                    break
+    return "::".join(parts) or mangled
+
+
+def summarize(records: list[dict], tokens: int) -> dict:
+    """Per-token span, busy time, gaps and per-name totals of one stream's records.
+
+    The records are ordered by start; ``busy`` is the union of their intervals, a gap is the
+    idle time between one record's end and the next one's start (overlaps count as none)."""
+    recs = sorted(records, key=lambda r: r["start"])
+    if not recs:
+        raise ValueError("no GPU activity was recorded")
+    span = recs[-1]["end"] - recs[0]["start"]
+    gaps, busy, reach = [], 0, recs[0]["start"]
+    for r in recs:
+        if r["start"] > reach:
+            gaps.append(r["start"] - reach)
+        else:
+            gaps.append(0)
+        busy += max(0, r["end"] - max(reach, r["start"]))
+        reach = max(reach, r["end"])
+    gaps = gaps[1:]  # the first record has no predecessor
+    by_name: dict[str, dict] = {}
+    for i, r in enumerate(recs):
+        e = by_name.setdefault(r["name"], dict(name=r["name"], count=0, total_ns=0, gap_before_ns=0))
+        e["count"] += 1
+        e["total_ns"] += r["end"] - r["start"]
+        if i:
+            e["gap_before_ns"] += gaps[i - 1]
+    rows = sorted(by_name.values(), key=lambda e: -e["total_ns"])
+    for e in rows:
+        e["per_token"] = e["count"] / tokens
+        e["mean_us"] = e["total_ns"] / e["count"] / 1e3
+        e["ms_per_token"] = e["total_ns"] / tokens / 1e6
+        e["gap_ms_per_token"] = e["gap_before_ns"] / tokens / 1e6
+    big = [g for g in gaps if g > 20_000]
+    return dict(
+        tokens=tokens, records=len(recs), span_ms_per_token=span / tokens / 1e6,
+        busy_ms_per_token=busy / tokens / 1e6, gap_ms_per_token=sum(gaps) / tokens / 1e6,
+        median_gap_us=statistics.median(gaps) / 1e3 if gaps else 0.0,
+        gaps_over_20us=len(big), gaps_over_20us_ms_per_token=sum(big) / tokens / 1e6, by_name=rows,
+    )
+
+
+def print_summary(s: dict, label: str) -> None:
+    print(f"\n{label}: {s['records']} GPU records over {s['tokens']} tokens")
+    print(f"  per token: span {s['span_ms_per_token']:.3f} ms = {1e3 / s['span_ms_per_token']:.1f} tok/s; "
+          f"in kernels {s['busy_ms_per_token']:.3f} ms; idle between them {s['gap_ms_per_token']:.3f} ms "
+          f"(median gap {s['median_gap_us']:.2f} us; {s['gaps_over_20us']} gaps > 20 us, "
+          f"{s['gaps_over_20us_ms_per_token']:.3f} ms/token)")
+    print(f"  {'kernel':44s} {'per token':>9s} {'mean us':>9s} {'ms/token':>9s} {'gap before, ms/token':>21s}")
+    for e in s["by_name"]:
+        print(f"  {e['name'][:44]:44s} {e['per_token']:9.2f} {e['mean_us']:9.2f} {e['ms_per_token']:9.3f} "
+              f"{e['gap_ms_per_token']:21.3f}")
+
+
+def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, library: str | None):
+    """Records of ``tokens`` decoded tokens after ``warmup`` untimed ones (bench.py's loop)."""
+    import mlx.core as mx
+    import numpy as np
+    from muse_mlx.decode import DecodeStep
+    from bench import fill_cache
+
+    cache = model.make_cache()
+    fill_cache(model, cache, ctx, np.random.default_rng(0))
+    step_fn = DecodeStep(model, cache, ctx + warmup + tokens + 2, compiled)
+    step = lambda y: mx.argmax(step_fn(y))  # noqa: E731
+    y = step(mx.array([1]))
+    for _ in range(warmup):
+        y = step(y.reshape(1))
+    y.item()
+    mx.synchronize()
+    with KernelTimeline(library) as tl:
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            nxt = step(y.reshape(1))
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        y.item()
+        mx.synchronize()
+        wall = time.perf_counter() - t0
+    return tl.records, wall
+
+
+def trace_chain(n: int, library: str | None):
+    """Records of a dependent chain of ``n`` tiny custom kernels (llama's norm of 256 floats),
+    compiled: the GPU-side cost of one launch, without the work of a decode."""
+    import mlx.core as mx
+    from muse_mlx import kernels as K
+
+    def chain(v):
+        for _ in range(n):
+            v = K.rms_norm_mul(v, None)
+        return v
+
+    f = mx.compile(chain)
+    x = mx.random.normal((1, 256))
+    mx.eval(f(x))
+    mx.synchronize()
+    with KernelTimeline(library) as tl:
+        mx.eval(f(x))
+        mx.synchronize()
+    return tl.records
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--file", required=True, help="checkpoint path (a synthetic release-geometry file is made if missing)")
+    ap.add_argument("--route", default="pinned", help="route to load (default: %(default)s)")
+    ap.add_argument("--flags", default="", help="comma-separated flag sets, '+' inside one, an empty set is no "
+                    "flags: ',mv_q8' traces both (default: no flags)")
+    ap.add_argument("--ctx", default="128", help="comma-separated contexts (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=8, help="tokens recorded per case (default: %(default)s)")
+    ap.add_argument("--warmup", type=int, default=4, help="tokens decoded before recording (default: %(default)s)")
+    ap.add_argument("--not-compiled", action="store_true", help="run the decode step without mx.compile")
+    ap.add_argument("--cupti", default=None, help="path of libcupti.so (default: MUSE_MLX_CUPTI or a search)")
+    ap.add_argument("--json", default=None, help="write the summaries and raw records to this file")
+    args = ap.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import mlx.core as mx
+    from muse_mlx import load_model
+    from muse_mlx.synthetic import RELEASE_VOCAB, ensure_synthetic
+    from muse_mlx.writer import MUSE_GLIMMER_30B
+
+    if not mx.cuda.is_available():
+        print("gpu_timeline.py needs MLX's CUDA backend (CUPTI records NVIDIA GPUs only)", file=sys.stderr)
+        return 2
+    try:
+        find_cupti(args.cupti)
+    except CuptiError as e:
+        print(e, file=sys.stderr)
+        return 2
+    path = Path(args.file)
+    ensure_synthetic(path, MUSE_GLIMMER_30B, RELEASE_VOCAB, "q4_k_m", 0)
+    flag_sets = [tuple(f for f in s.split("+") if f) for s in args.flags.split(",")] if args.flags else [()]
+    out = dict(file=str(path), mlx=mx.__version__, cases=[])
+    chain = summarize(trace_chain(200, args.cupti), 1)
+    print_summary(chain, "a compiled chain of 200 tiny custom kernels")
+    out["chain"] = chain
+    model = load_model(path, args.route, progress=False)
+    for flags in dict.fromkeys(flag_sets):
+        model.route.flags = frozenset(flags)
+        for ctx in (int(c) for c in args.ctx.split(",")):
+            records, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti)
+            label = f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
+            s = summarize(records, args.tokens)
+            s["wall_ms_per_token"] = wall / args.tokens * 1e3
+            print_summary(s, label)
+            print(f"  host wall clock: {s['wall_ms_per_token']:.3f} ms per token")
+            out["cases"].append(dict(label=label, route=args.route, flags=list(flags), ctx=ctx, summary=s,
+                                     records=records))
+        mx.clear_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
