@@ -64,11 +64,16 @@ class _Planes:
         """The decode path's write: ``kv16 [2, B, H, 1, D]`` into one slot (an int or an int32 [1] array).
 
         An array slot is not bounds-checked by MLX (an out-of-range one writes past the planes):
-        callers pass ``self.slot(position)`` for a position below the reserved capacity."""
+        callers pass ``self.slot(position)`` for a position below the reserved capacity.
+
+        The array form is a scatter (``put_along_axis``), not ``mx.slice_update``: MLX 0.32's
+        CUDA dynamic slice update launches one thread per element of the whole destination, each
+        rewriting the update (22 us per layer and token at 4 MB planes on the H200, measured with
+        ``scripts/gpu_timeline.py``), where the scatter's threads are the update's 2*H*D values."""
         if isinstance(slot, int):
             self.kv[:, :, :, slot : slot + 1, :] = kv16
         else:
-            self.kv = mx.slice_update(self.kv, kv16, slot, axes=(3,))
+            self.kv = mx.put_along_axis(self.kv, slot.reshape((1,) * self.kv.ndim), kv16, axis=3)
 
     def decode_geometry(self) -> mx.array:
         """The decode attention kernel's constant arguments for these planes (made once per size)."""

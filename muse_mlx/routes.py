@@ -225,8 +225,8 @@ class PinnedRoute(Route):
     def embed(self, table, tokens):
         # the same exact dequantization as QEmbedding's MLX ops, in one dispatch
         if table.qtype in _KIND:
-            self.count("dequant_rows")
-            return kernels.dequantize_rows(table.weight[tokens], _KIND[table.qtype])
+            self.count("dequant_at")
+            return kernels.embed_rows(table.weight, tokens, _KIND[table.qtype])
         return table(tokens)
 
     def fast_decode(self, cfg) -> bool:

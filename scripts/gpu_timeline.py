@@ -211,9 +211,14 @@ def print_summary(s: dict, label: str) -> None:
           f"(median gap {s['median_gap_us']:.2f} us; {s['gaps_over_20us']} gaps > 20 us, "
           f"{s['gaps_over_20us_ms_per_token']:.3f} ms/token)")
     print(f"  {'kernel':44s} {'per token':>9s} {'mean us':>9s} {'ms/token':>9s} {'gap before, ms/token':>21s}")
+    small = [e for e in s["by_name"] if e["ms_per_token"] < 0.01]
     for e in s["by_name"]:
-        print(f"  {e['name'][:44]:44s} {e['per_token']:9.2f} {e['mean_us']:9.2f} {e['ms_per_token']:9.3f} "
-              f"{e['gap_ms_per_token']:21.3f}")
+        if e not in small:
+            print(f"  {e['name'][:44]:44s} {e['per_token']:9.2f} {e['mean_us']:9.2f} {e['ms_per_token']:9.3f} "
+                  f"{e['gap_ms_per_token']:21.3f}")
+    if small:
+        print(f"  ({len(small)} more kinds under 0.01 ms per token: {sum(e['ms_per_token'] for e in small):.3f} ms "
+              f"per token together)")
 
 
 def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, library: str | None):
@@ -276,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=8, help="tokens recorded per case (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=4, help="tokens decoded before recording (default: %(default)s)")
     ap.add_argument("--not-compiled", action="store_true", help="run the decode step without mx.compile")
+    ap.add_argument("--geometries", default="", help="comma-separated matvec geometries to trace, each Q4K/Q6K as "
+                    "NR0xNSG[xU] (e.g. 2x2x2/4x4x2), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
     ap.add_argument("--cupti", default=None, help="path of libcupti.so (default: MUSE_MLX_CUPTI or a search)")
     ap.add_argument("--json", default=None, help="write the summaries and raw records to this file")
     args = ap.parse_args(argv)
@@ -302,18 +309,27 @@ def main(argv=None) -> int:
     chain = summarize(trace_chain(200, args.cupti), 1)
     print_summary(chain, "a compiled chain of 200 tiny custom kernels")
     out["chain"] = chain
+    geometries = [tuple(g.split("/")) for g in args.geometries.split(",")] if args.geometries else [None]
+    for g in geometries:
+        if g is not None and len(g) != 2:
+            print(f"--geometries: {'/'.join(g)!r} is not Q4K/Q6K", file=sys.stderr)
+            return 2
     model = load_model(path, args.route, progress=False)
-    for flags in dict.fromkeys(flag_sets):
+    cases = [(flags, g, ctx) for flags in dict.fromkeys(flag_sets) for g in geometries
+             for ctx in (int(c) for c in args.ctx.split(","))]
+    for flags, g, ctx in cases:
         model.route.flags = frozenset(flags)
-        for ctx in (int(c) for c in args.ctx.split(",")):
-            records, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti)
-            label = f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
-            s = summarize(records, args.tokens)
-            s["wall_ms_per_token"] = wall / args.tokens * 1e3
-            print_summary(s, label)
-            print(f"  host wall clock: {s['wall_ms_per_token']:.3f} ms per token")
-            out["cases"].append(dict(label=label, route=args.route, flags=list(flags), ctx=ctx, summary=s,
-                                     records=records))
+        if g is not None:  # read at each launch, so the next trace of the step takes them
+            os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
+        records, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti)
+        label = (f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
+                 + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else ""))
+        s = summarize(records, args.tokens)
+        s["wall_ms_per_token"] = wall / args.tokens * 1e3
+        print_summary(s, label)
+        print(f"  host wall clock: {s['wall_ms_per_token']:.3f} ms per token")
+        out["cases"].append(dict(label=label, route=args.route, flags=list(flags), ctx=ctx, geometry=g,
+                                 summary=s, records=records))
         mx.clear_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out))

@@ -124,7 +124,7 @@ def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["ggml", "4x2"])
+@pytest.mark.parametrize("geometry", ["ggml", "4x2", "2x2x2"])
 def test_multi_kernel(geometry):
     y = arr(2, 512)
     ws = [(qrows(36, 512, "q4_K"), "q4_K"), (qrows(8, 512, "q4_K"), "q4_K"), (qrows(5, 512, "q6_K"), "q6_K"),
@@ -135,12 +135,13 @@ def test_multi_kernel(geometry):
 
 
 @emulator
+@pytest.mark.parametrize("geometry", ["2x2", "4x2x2"])
 @pytest.mark.parametrize("kind,act", [("q4_K", "silu"), ("q6_K", "silu"), ("q4_K", "gelu_tanh")])
-def test_glu_kernel(kind, act):
+def test_glu_kernel(kind, act, geometry):
     g, u, y = qrows(37, 768, kind), qrows(37, 768, kind), arr(2, 768, scale=0.2)
     gs, us = mul_mv.ORACLES[kind](y, g), mul_mv.ORACLES[kind](y, u)
     want = ffn.silu_oracle(gs, us, exp=libm("expf")) if act == "silu" else ffn.gelu_oracle(gs, us, tanh=libm("tanhf"))
-    assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, g, u, kind, act, geometry="2x2"), want)
+    assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, g, u, kind, act, geometry=geometry), want)
 
 
 @emulator
@@ -153,6 +154,20 @@ def test_dequantize_kernels():
         half = emulate_recorded(K.dequantize_rows, w, kind, mx.float16)
         assert np.array(half).dtype == np.float16
         assert_bits_equal(half, want.astype(np.float16))
+
+
+@emulator
+@pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
+def test_embedding_kernel_is_gguf_py_of_the_rows(kind):
+    """Gather and dequantization in one dispatch: rows in token order, repeats included; an id
+    past the table reads its last row instead of memory past it."""
+    w = qrows(37, 512, kind)
+    table = gguf_dequantize(np.array(w), QTYPE[kind]).reshape(37, 512)
+    tokens = mx.array([[3, 0, 36], [3, 17, 5]], dtype=mx.int32)
+    got = emulate_recorded(K.embed_rows, w, tokens, kind)
+    assert got.shape == (2, 3, 512)
+    assert_bits_equal(got, table[np.array(tokens)])
+    assert_bits_equal(emulate_recorded(K.embed_rows, w, mx.array([40], dtype=mx.int32), kind), table[[36]])
 
 
 @emulator

@@ -99,7 +99,7 @@ def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
     assert d["attn_decode_partial + combine"] == 2 * L
     # attn_output and ffn_down per layer, and the head
     assert d["mul_mv_q4_K_f32"] + d["mul_mv_q6_K_f32"] == 2 * L + 1
-    assert d["dequant_rows"] == 1  # the token's embedding row
+    assert d["dequant_at"] == 1  # the token's embedding row, gathered and dequantized
     assert sum(d.values()) == 2 + 9 * L + 1 + 1
 
 

@@ -15,6 +15,7 @@ function                               reference
 ``mul_mv_multi(y, [(w, kind), ..])``   the same rows for up to 4 matrices, one dispatch
 ``mul_mv_glu(y, wg, wu, kind, act)``   gate + up matvecs and the activation, one dispatch
 ``dequantize_rows(w, kind)``           raw rows -> float32, bit-equal to gguf-py
+``embed_rows(w, tokens, kind)``        rows ``tokens`` of raw rows -> float32 (the embedding)
 ``mul_mv_q8(y, [(w, kind), ..], glu)``  opt-in int8-activation Q4_K matvec (flag mv_q8; NOT exact)
 ``attn_decode(q, kv, pos, geom, ..)``  one token's GQA attention + output gate (not pinned)
 ``qk_rope_pack(y, w, eps, pos, rope)``  Q/K-norms, RoPE and the f16 K/V of a token, one dispatch
@@ -27,14 +28,14 @@ from . import attention, ffn, mul_mv, norm_tail, rms_norm
 from .attention import attn_decode, qk_rope_pack, rope_table
 from .backend import backend
 from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
-from .mul_mv import dequantize_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K, mul_mv_q8
+from .mul_mv import dequantize_rows, embed_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K, mul_mv_q8
 from .norm_tail import tail_32sg, tail_dual_eps
 from .rms_norm import GEOMETRIES, norm_threads, rms_norm_batch, rms_norm_f16, rms_norm_mul
 
 ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS + attention.KERNELS
 
 __all__ = [
-    "attn_decode", "qk_rope_pack", "rope_table", "dequantize_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
+    "attn_decode", "qk_rope_pack", "rope_table", "dequantize_rows", "embed_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
     "backend", "ffn_q4k_gate_up_4r2s", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
     "tail_32sg", "tail_dual_eps", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
     "rms_norm_mul", "ALL_KERNELS",

@@ -16,6 +16,12 @@
 MUSE_FN int first_visible(int pos, int window) { return window > 0 ? max(0, pos - window + 1) : 0; }
 MUSE_FN int splits_used(int n, int cmax) { return (n + cmax - 1) / cmax; }
 
+// Half e (0..7) of eight packed in a 16-byte word (little-endian), as a float.
+MUSE_FN float half_of(uint4 w, uint e) {
+    const uint word = e < 4u ? (e < 2u ? w.x : w.y) : (e < 6u ? w.z : w.w);
+    return float(as_type<half>(ushort((word >> (16u * (e & 1u))) & 0xFFFFu)));
+}
+
 // ==== kernel: qk_rope_pack
 // The decode path's step from the projections to the attention: the Q- and K-norms (NORM),
 // RoPE (ROPE) and the f16 K/V for the cache, in one dispatch. One threadgroup per head row of
@@ -99,36 +105,59 @@ MUSE_FN int splits_used(int n, int cmax) { return (n + cmax - 1) / cmax; }
     const int cnt = max(0, min(n - j0, CMAX));
     const uint part = kvh * uint(splits) + s;  // row of the partial outputs
 
-    // q rows padded to D + 1 floats: the G heads a SIMD group reads at one d fall in different banks
-    threadgroup float qs[G * (D + 1)];
+    // Everything the split reads is loaded first, every load issued before the first barrier
+    // (one memory round trip, not one per loop iteration): its key rows into kv4 (f16, eight to
+    // a 16-byte word), its value rows into registers (they take kv4's place once the scores are
+    // done), the scaled q rows into qs4 -- rows padded to D + 4 floats, so the G heads a SIMD
+    // group reads at one d fall in different banks and still load as float4.
+    threadgroup float4 qs4[G * (D / 4 + 1)];
+    threadgroup uint4 kv4[CMAX * (D / 8)];
     threadgroup float sc[G * CMAX];
     threadgroup float mx[G];
     if (cnt == 0) return;  // past the last non-empty split: the combine never reads it
-    for (uint i = tid; i < G * D; i += NT) qs[(i / D) * (D + 1) + i % D] = q[(ulong)kvh * G * D + i] * scale[0];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-
-    // scores: one (key, head) pair per thread at a time -- the G threads of a key share its row --
-    // each an fma chain over d = 0, 1, ...
     device const half* kplane = kv + (ulong)kvh * cap * D;
     device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
-    for (int i = int(tid); i < G * cnt; i += NT) {
-        const int jj = i / G, g = i % G;
-        const int slot = (lo + j0 + jj) % cap;
-        device const half* krow = kplane + (ulong)slot * D;
-        const int qg = g * (D + 1);
-        float acc = 0.0f;
-        for (int d = 0; d < D; d += 8) {
-            // eight halves per 16-byte load (rows are D halves, D a multiple of 8), in order
-            const uint4 k8 = *(device const uint4*)(krow + d);
-            const uint kw[4] = {k8.x, k8.y, k8.z, k8.w};
-            for (int e = 0; e < 8; ++e) {
-                const float k = float(as_type<half>(ushort((kw[e / 2] >> (16 * (e % 2))) & 0xFFFFu)));
-                acc = fma(qs[qg + d + e], k, acc);
-            }
+    constexpr int W = (CMAX * (D / 8) + NT - 1) / NT;  // 16-byte words of K (and of V) per thread
+    uint4 vw[W];
+    for (int w = 0; w < W; ++w) {
+        const int i = int(tid) + NT * w, r = i / (D / 8);
+        if (i < CMAX * (D / 8) && r < cnt) {
+            const ulong at = (ulong)((lo + j0 + r) % cap) * D + 8 * (i % (D / 8));
+            kv4[i] = *(device const uint4*)(kplane + at);
+            vw[w] = *(device const uint4*)(vplane + at);
         }
-        sc[g * CMAX + jj] = acc;
+    }
+    for (uint i = tid; i < G * D; i += NT) qs4[(i / D) * (D / 4 + 1) + (i % D) / 4][i % 4] = q[(ulong)kvh * G * D + i] * scale[0];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // scores: PP (key, head) pairs per thread, side by side -- the G threads of a key share its
+    // row -- each an fma chain over d = 0, 1, ... (pairs past the split's end repeat its last
+    // pair and are not stored)
+    constexpr int PP = (G * CMAX + NT - 1) / NT;
+    float acc[PP];
+    int krow[PP], qrow[PP];
+    for (int p = 0; p < PP; ++p) {
+        const int i = min(int(tid) + NT * p, G * cnt - 1);
+        krow[p] = (i / G) * (D / 8);
+        qrow[p] = (i % G) * (D / 4 + 1);
+        acc[p] = 0.0f;
+    }
+    for (int d8 = 0; d8 < D / 8; ++d8) {
+        for (int p = 0; p < PP; ++p) {
+            const uint4 k8 = kv4[krow[p] + d8];
+            const float4 qa = qs4[qrow[p] + 2 * d8], qb = qs4[qrow[p] + 2 * d8 + 1];
+            for (int e = 0; e < 8; ++e) acc[p] = fma(e < 4 ? qa[e] : qb[e - 4], half_of(k8, uint(e)), acc[p]);
+        }
+    }
+    for (int p = 0; p < PP; ++p) {
+        const int i = int(tid) + NT * p;
+        if (i < G * cnt) sc[(i % G) * CMAX + i / G] = acc[p];
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int w = 0; w < W; ++w) {  // the scores are done: V takes K's place (read after two more barriers)
+        const int i = int(tid) + NT * w;
+        if (i < CMAX * (D / 8) && i / (D / 8) < cnt) kv4[i] = vw[w];
+    }
     if (tid < G) {
         float m = -INFINITY;
         for (int jj = 0; jj < cnt; ++jj) m = max(m, sc[tid * CMAX + jj]);
@@ -148,14 +177,13 @@ MUSE_FN int splits_used(int n, int cmax) { return (n + cmax - 1) / cmax; }
     }
     // outputs: one thread per dimension, each head an fma chain over the split's keys in order
     for (int d = int(tid); d < D; d += NT) {
-        float acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = 0.0f;
+        float out[G];
+        for (int g = 0; g < G; ++g) out[g] = 0.0f;
         for (int jj = 0; jj < cnt; ++jj) {
-            const int slot = (lo + j0 + jj) % cap;
-            const float v = float(vplane[(ulong)slot * D + d]);
-            for (int g = 0; g < G; ++g) acc[g] = fma(sc[g * CMAX + jj], v, acc[g]);
+            const float v = half_of(kv4[jj * (D / 8) + d / 8], uint(d % 8));
+            for (int g = 0; g < G; ++g) out[g] = fma(sc[g * CMAX + jj], v, out[g]);
         }
-        for (int g = 0; g < G; ++g) part_o[((ulong)part * G + g) * D + d] = acc[g];
+        for (int g = 0; g < G; ++g) part_o[((ulong)part * G + g) * D + d] = out[g];
     }
 
 // ==== kernel: attn_decode_combine

@@ -203,8 +203,9 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 
 // Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
-// Blocks are 2-byte aligned, so quants are read as ushorts.
-template <int NA, int NB>
+// Blocks are 2-byte aligned, so quants are read as ushorts. As for Q4_K, the loads of U blocks
+// (i, i+2, ...) of every row are issued before any is used; blocks are added in ggml's order.
+template <int NA, int NB, int U>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
                            thread float* sumf) {
@@ -217,60 +218,71 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     const uint q_offset_l = 64 * ip + l0;
     const uint q_offset_h = 128 + 32 * ip + l0;
     const uint magic = 0x4B000000u | (tiisg >> 5);  // the 2^23 pattern, in a register (see u2f_m)
-    for (int r = 0; r < NA + NB; ++r) sumf[r] = 0.0f;
-    for (uint i = ix; i < nb; i += 2) {
-        uint ql1[NA + NB];
-        uint ql2[NA + NB];
-        uint qh[NA + NB];
-        uint sc[NA + NB];
-        float d[NA + NB];
-        for (int r = 0; r < NA + NB; ++r) {
-            device const uchar* blk = (r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes
-                                              : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes)
-                                      + (ulong)i * 210u;
-            ql1[r] = load_u32_from_u16(blk + q_offset_l);
-            ql2[r] = load_u32_from_u16(blk + q_offset_l + 32);
-            qh[r] = load_u32_from_u16(blk + q_offset_h);
-            // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
-            sc[r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
-                    | (uint(blk[198 + is]) << 24);
-            d[r] = float(*(device const half*)(blk + 208));
-        }
-        // yl[4l + k] = y[l + 32k] (ggml's order); each run of four is one 16-byte load
-        device const float4* yy = (device const float4*)(y + i * 256 + 128 * ip + l0);
-        float yl[16];
-        for (int k = 0; k < 4; ++k) {
-            const float4 v = yy[8 * k];
-            for (int l = 0; l < 4; ++l) yl[4 * l + k] = v[l];
-        }
-        for (int r = 0; r < NA + NB; ++r) {
-            // the 6-bit codes of values l = 0..3 of the four runs, one byte each, four to a word:
-            // run 0 = low nibbles of ql1 | qh bits 0-1, run 1 = ql2 | bits 2-3, run 2 = high
-            // nibbles of ql1 | bits 4-5, run 3 = ql2 | bits 6-7
-            const uint code0 = (ql1[r] & 0x0F0F0F0Fu) | ((qh[r] << 4) & 0x30303030u);
-            const uint code1 = (ql2[r] & 0x0F0F0F0Fu) | ((qh[r] << 2) & 0x30303030u);
-            const uint code2 = ((ql1[r] >> 4) & 0x0F0F0F0Fu) | (qh[r] & 0x30303030u);
-            const uint code3 = ((ql2[r] >> 4) & 0x0F0F0F0Fu) | ((qh[r] >> 2) & 0x30303030u);
-            float4 sums = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int l = 0; l < 4; ++l) {
-                // (6-bit code) - 32, exactly: the code in the mantissa of 2^23, minus 2^23 + 32
-                sums[0] = fma(yl[4 * l + 0], as_type<float>(byte_magic(code0, uint(l), magic)) - 8388640.0f, sums[0]);
-                sums[1] = fma(yl[4 * l + 1], as_type<float>(byte_magic(code1, uint(l), magic)) - 8388640.0f, sums[1]);
-                sums[2] = fma(yl[4 * l + 2], as_type<float>(byte_magic(code2, uint(l), magic)) - 8388640.0f, sums[2]);
-                sums[3] = fma(yl[4 * l + 3], as_type<float>(byte_magic(code3, uint(l), magic)) - 8388640.0f, sums[3]);
+    device const uchar* row[NA + NB];
+    for (int r = 0; r < NA + NB; ++r) {
+        row[r] = r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes;
+        sumf[r] = 0.0f;
+    }
+    for (uint i = ix; i < nb; i += 2 * U) {
+        uint ql1[U][NA + NB];
+        uint ql2[U][NA + NB];
+        uint qh[U][NA + NB];
+        uint sc[U][NA + NB];
+        float d[U][NA + NB];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint jb = min(i + 2u * u, nb - 1u);  // past the row's end: re-read, not used
+            for (int r = 0; r < NA + NB; ++r) {
+                device const uchar* blk = row[r] + (ulong)jb * 210u;
+                ql1[u][r] = load_u32_from_u16(blk + q_offset_l);
+                ql2[u][r] = load_u32_from_u16(blk + q_offset_l + 32);
+                qh[u][r] = load_u32_from_u16(blk + q_offset_h);
+                // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
+                sc[u][r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
+                           | (uint(blk[198 + is]) << 24);
+                d[u][r] = float(*(device const half*)(blk + 208));
             }
-            // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6]), the int8 scales exact in float
-            // (an int8 s as s + 128 in the mantissa of 2^23, minus 2^23 + 128: exact, no I2F)
-            const uint sx = sc[r] ^ 0x80808080u;
-            const float s0 = as_type<float>(byte_magic(sx, 0u, magic)) - 8388736.0f;
-            const float s2 = as_type<float>(byte_magic(sx, 1u, magic)) - 8388736.0f;
-            const float s4 = as_type<float>(byte_magic(sx, 2u, magic)) - 8388736.0f;
-            const float s6 = as_type<float>(byte_magic(sx, 3u, magic)) - 8388736.0f;
-            float scaled = sums[1] * s2;
-            scaled = fma(sums[0], s0, scaled);
-            scaled = fma(sums[2], s4, scaled);
-            scaled = fma(sums[3], s6, scaled);
-            sumf[r] = fma(d[r], scaled, sumf[r]);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (i + 2u * u < nb) {  // not `break`: the loop must unroll (see q4K_lane_sums)
+            // yl[4l + k] = y[l + 32k] (ggml's order); each run of four is one 16-byte load
+            device const float4* yy = (device const float4*)(y + (i + 2u * u) * 256 + 128 * ip + l0);
+            float yl[16];
+            for (int k = 0; k < 4; ++k) {
+                const float4 v = yy[8 * k];
+                for (int l = 0; l < 4; ++l) yl[4 * l + k] = v[l];
+            }
+            for (int r = 0; r < NA + NB; ++r) {
+                // the 6-bit codes of values l = 0..3 of the four runs, one byte each, four to a word:
+                // run 0 = low nibbles of ql1 | qh bits 0-1, run 1 = ql2 | bits 2-3, run 2 = high
+                // nibbles of ql1 | bits 4-5, run 3 = ql2 | bits 6-7
+                const uint code0 = (ql1[u][r] & 0x0F0F0F0Fu) | ((qh[u][r] << 4) & 0x30303030u);
+                const uint code1 = (ql2[u][r] & 0x0F0F0F0Fu) | ((qh[u][r] << 2) & 0x30303030u);
+                const uint code2 = ((ql1[u][r] >> 4) & 0x0F0F0F0Fu) | (qh[u][r] & 0x30303030u);
+                const uint code3 = ((ql2[u][r] >> 4) & 0x0F0F0F0Fu) | ((qh[u][r] >> 2) & 0x30303030u);
+                float4 sums = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int l = 0; l < 4; ++l) {
+                    // (6-bit code) - 32, exactly: the code in the mantissa of 2^23, minus 2^23 + 32
+                    sums[0] = fma(yl[4 * l + 0], as_type<float>(byte_magic(code0, uint(l), magic)) - 8388640.0f, sums[0]);
+                    sums[1] = fma(yl[4 * l + 1], as_type<float>(byte_magic(code1, uint(l), magic)) - 8388640.0f, sums[1]);
+                    sums[2] = fma(yl[4 * l + 2], as_type<float>(byte_magic(code2, uint(l), magic)) - 8388640.0f, sums[2]);
+                    sums[3] = fma(yl[4 * l + 3], as_type<float>(byte_magic(code3, uint(l), magic)) - 8388640.0f, sums[3]);
+                }
+                // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6]), the int8 scales exact in float
+                // (an int8 s as s + 128 in the mantissa of 2^23, minus 2^23 + 128: exact, no I2F)
+                const uint sx = sc[u][r] ^ 0x80808080u;
+                const float s0 = as_type<float>(byte_magic(sx, 0u, magic)) - 8388736.0f;
+                const float s2 = as_type<float>(byte_magic(sx, 1u, magic)) - 8388736.0f;
+                const float s4 = as_type<float>(byte_magic(sx, 2u, magic)) - 8388736.0f;
+                const float s6 = as_type<float>(byte_magic(sx, 3u, magic)) - 8388736.0f;
+                float scaled = sums[1] * s2;
+                scaled = fma(sums[0], s0, scaled);
+                scaled = fma(sums[2], s4, scaled);
+                scaled = fma(sums[3], s6, scaled);
+                sumf[r] = fma(d[u][r], scaled, sumf[r]);
+            }
+            }
         }
     }
 }
@@ -284,14 +296,14 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     if (TYPE == 0) {
         q4K_lane_sums<NR0, 0, U>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     } else {
-        q6K_lane_sums<NR0, 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+        q6K_lane_sums<NR0, 0, U>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     }
 }
 
 // ==== kernel: mul_mv_q4_K_f32
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads in flight per row (Q4_K)
+// U blocks of loads in flight per row
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
@@ -307,7 +319,7 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 // ==== kernel: mul_mv_q6_K_f32
 // inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads in flight per row (Q4_K)
+// U blocks of loads in flight per row
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
@@ -380,7 +392,7 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     if (TYPE == 0) {
         q4K_lane_sums<NR0, NR0, U>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     } else {
-        q6K_lane_sums<NR0, NR0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+        q6K_lane_sums<NR0, NR0, U>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     }
     for (int r = 0; r < NR0; ++r) {
         const float gate = simd_sum(sumf[r]);
@@ -413,6 +425,18 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0])
             for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);
+
+// ==== kernel: dequant_at_f32
+// Rows tokens[0..T-1] of a raw Q4_K (TYPE 0) or Q6_K (TYPE 1) matrix -> float32, bit-equal to
+// gguf-py: the embedding lookup, gather and dequantization in one dispatch, one quad per thread.
+// A token id past the table reads its last row (ids are checked against the vocabulary before
+// they reach the device; this keeps a bad one from reading outside the table).
+// inputs: w [R, ROWB] (uint8), tokens [T] (int32), count [1] (T * KQ); outputs: out [T, 4*KQ];
+// templates TYPE, R (rows), ROWB (bytes per row), KQ (quads per row)
+    const uint s = thread_position_in_grid.x;
+    if (s >= count[0]) return;
+    const uint row = min(uint(tokens[s / KQ]), uint(R - 1));
+    ((device float4*)out)[s] = dequant4<TYPE>(w + (ulong)row * ROWB, s % KQ);
 
 // ==== kernel: mul_mv_q4_K_q8_multi
 // OPT-IN, NOT EXACT (pinned flag mv_q8): the activations are quantized to int8 per 32 values
