@@ -202,7 +202,8 @@ def check_geometries(rng, quick):
                 continue
             w = random_blocks(rows, k, qtype, rng)
             ref = gpu(fn, x, w, geometry="ggml")
-            for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "2x4x2", "4x2x2", "1x8x2"):
+            for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "2x2x2", "2x4x2", "4x2x2", "4x4x2",
+                             "1x8x2"):
                 compare(f"mul_mv_{qtype.name}_f32 {geometry} == ggml 2x2", f"{rows}x{k} T=2",
                         gpu(fn, x, w, geometry=geometry), ref, note="all rows")
 
@@ -231,6 +232,9 @@ def check_decode_kernels(rng, quick):
         compare("dequant f16 (prefill) == gguf-py rounded to half", f"512x{D} {kind}",
                 gpu(K.dequantize_rows, wd, kind, mx.float16).astype(mx.float32),
                 mx.array(want.astype(np.float16).astype(np.float32)))
+        toks = mx.array([7, 0, 511, 7], dtype=mx.int32)
+        compare("embed_rows (gather + dequant) == gguf-py", f"4 of 512x{D} {kind}", gpu(K.embed_rows, wd, toks, kind),
+                mx.array(want[np.array(toks)]))
     # decode attention: a flat buffer, a ring that has wrapped, a window in a flat buffer
     cases = [(32, 2, 128, 8192, 0, 4000), (32, 2, 128, 4096, 4096, 6000), (32, 2, 128, 8192, 4096, 8191),
              (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300), (4, 2, 32, 2048, 0, 1500),
