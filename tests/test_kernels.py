@@ -253,6 +253,8 @@ def record_all_kernels():
     K.dequantize_rows(q6, "q6_K", which="record")
     K.dequantize_rows(q4, "q4_K", mx.float16, which="record")
     K.dequantize_rows(q6, "q6_K", mx.float16, which="record")
+    K.embed_rows(q4, mx.array([1, 0], dtype=mx.int32), "q4_K", which="record")
+    K.embed_rows(q6, mx.array([[2]], dtype=mx.int32), "q6_K", which="record")
     K.rms_norm_mul(x, mx.ones((3, 512)), which="record")
     kv = mx.zeros((2, 2, 256, 128), dtype=mx.float16)
     q = arr(8, 128)

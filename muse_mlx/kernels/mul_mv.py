@@ -167,12 +167,13 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
 # is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance.md).
 MV_GEOMETRIES = {
     "ggml": (2, 2, 1),
-    # H200, 2026-12-01 (bench.py --tune): twelve geometries within about +-10 % of each other for
-    # Q4_K, ggml's among the fastest; Q6_K gained ~20 % on ffn_down and 5 % on the head at 4x4 in
-    # the first session. After that session's instruction cuts, 2x2 measured ~5 % faster on Q6_K
-    # (within run-to-run noise); 4x4 stays, as the decode figures were measured with it.
-    # Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 1), "q6_K": (4, 4, 1)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
+    # H200, 2026-12-01, timed inside a real decode (scripts/gpu_timeline.py --geometries, per
+    # kernel; docs/performance.md): two blocks of loads in flight (U = 2) take the Q6_K ffn_down
+    # from 88.7 to 64.3 us and the GLU from 74.0 to 70.0 us; the Q4_K ffn_down alone prefers U = 1
+    # (42.6 vs 46.4 us), a smaller loss. Whole token 12.34 -> 11.47 ms. (bench.py's isolated
+    # timings, which replay one matrix, had shown no geometry clearly ahead: part of a replayed
+    # matrix stays in L2.) Metal: unmeasured, so ggml's.
+    "tuned": {"cuda": {"q4_K": (2, 2, 2), "q6_K": (4, 4, 2)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
 }
 _GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
 
