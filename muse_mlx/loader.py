@@ -98,21 +98,6 @@ class _Weights:
         raw = _in_device_memory(self._device(t))
         return raw, qtype, QEmbedding(raw, qtype, dim)
 
-
-def _in_device_memory(arr: mx.array) -> mx.array:
-    """On CUDA, a copy of ``arr`` in device memory; elsewhere ``arr`` itself.
-
-    MLX (0.32) keeps arrays made from host data in CUDA managed memory, which moves to the GPU
-    page by page on first touch. A matrix is read whole by the first token and is resident from
-    then on; the embedding table is read one row per token, so every new token's row faulted
-    its pages over (30-200 us per decoded token on the H200, measured with
-    ``scripts/gpu_timeline.py``). What a GPU kernel computes is allocated in device memory."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-        return arr
-    out = arr ^ mx.array(0, dtype=arr.dtype)  # a real kernel: mx.copy would share the buffer
-    mx.eval(out)  # `arr` is still referenced here, so its buffer cannot be donated to `out`
-    return out
-
     def vector(self, name: str, n: int) -> mx.array:
         t, qtype = self._raw(name, (n,))
         if qtype != T.F32:
@@ -128,6 +113,21 @@ def _in_device_memory(arr: mx.array) -> mx.array:
                 self.f.path,
                 f"{len(unused)} tensor(s) this engine would ignore (refusing to run a different graph): {shown}",
             )
+
+
+def _in_device_memory(arr: mx.array) -> mx.array:
+    """On CUDA, a copy of ``arr`` in device memory; elsewhere ``arr`` itself.
+
+    MLX (0.32) keeps arrays made from host data in CUDA managed memory, which moves to the GPU
+    page by page on first touch. A matrix is read whole by the first token and is resident from
+    then on; the embedding table is read one row per token, so every new token's row faulted
+    its pages over (30-200 us per decoded token on the H200, measured with
+    ``scripts/gpu_timeline.py``). What a GPU kernel computes is allocated in device memory."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return arr
+    out = arr ^ mx.array(0, dtype=arr.dtype)  # a real kernel: mx.copy would share the buffer
+    mx.eval(out)  # `arr` is still referenced here, so its buffer cannot be donated to `out`
+    return out
 
 
 # where each block keeps its f16 scales: d (and dmin) at the start, Q6_K's d at the end
