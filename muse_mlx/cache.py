@@ -5,7 +5,7 @@ and attention always reads the cache, the current token included; the model roun
 f16 before writing, so the caches only store what they are given.
 
 Both caches keep K and V in ONE array ``kv [2, B, Hkv, capacity, D]`` (K then V), written in
-place by slice update, so a decoded token costs one write and the decode attention kernel
+place (a slice update, or a scatter on the decode path), so a decoded token costs one write and the decode attention kernel
 reads both planes from one buffer. Position ``p`` lives in slot ``p`` of a global layer's
 buffer and in slot ``p % window`` of a sliding layer's ring.
 """
