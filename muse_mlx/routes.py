@@ -230,12 +230,13 @@ class PinnedRoute(Route):
         return table(tokens)
 
     def fast_decode(self, cfg) -> bool:
-        from .kernels.attention import CMAX
+        from .kernels.attention import partial_threadgroup_bytes
 
         g = cfg.n_head // cfg.n_head_kv
-        fits = 4 * g * (cfg.head_dim + 1 + CMAX + 1) <= 32 * 1024  # the partial pass's threadgroup memory
+        fits = partial_threadgroup_bytes(g, cfg.head_dim) <= 32 * 1024  # Metal's threadgroup memory limit
         scales = cfg.q_scale is None or cfg.kq_scale == 1.0  # one scale inside the kernel
-        return (cfg.attn_softcap is None and cfg.head_dim % 4 == 0 and cfg.head_dim <= 1024 and fits and scales
+        # head rows are read in 16-byte words of eight halves
+        return (cfg.attn_softcap is None and cfg.head_dim % 8 == 0 and cfg.head_dim <= 1024 and fits and scales
                 and "split_norm_f16" not in self.flags)
 
     def qk_rope_pack(self, y, weights, eps, pos, rope, cfg, v_offset, qk_shape, kv_shape):

@@ -274,3 +274,21 @@ def test_qk_rope_pack_oracle_is_norm_then_mlx_rope():
                            stream=mx.cpu)
         np.testing.assert_allclose(np.array(roped), np.array(ref).reshape(rows, d), rtol=0, atol=2e-4)
         assert not np.allclose(np.array(roped), np.array(plain), atol=1e-2)
+
+
+def test_decode_path_needs_the_partial_pass_to_fit_metal_threadgroup_memory():
+    """18,752 bytes at G = 16, D = 128 is what ptxas -v reports for the sm_90a build
+    (scripts/kernel_sass.py); Metal allows 32 KB per threadgroup, so G = 16 with D = 256 takes
+    the general path, and so does a head width that is not whole 16-byte words."""
+    from types import SimpleNamespace
+
+    from muse_mlx.routes import make_route
+
+    assert attention.partial_threadgroup_bytes(16, 128) == 18752
+    route = make_route("pinned", ())
+    cfg = lambda h, hkv, d: SimpleNamespace(n_head=h, n_head_kv=hkv, head_dim=d, attn_softcap=None,  # noqa: E731
+                                            q_scale=None, kq_scale=1.0)
+    assert route.fast_decode(cfg(32, 2, 128))
+    assert route.fast_decode(cfg(8, 4, 256))
+    assert not route.fast_decode(cfg(32, 2, 256))
+    assert not route.fast_decode(cfg(8, 2, 68))

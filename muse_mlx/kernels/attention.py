@@ -32,6 +32,12 @@ _COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part
 KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE)
 
 
+def partial_threadgroup_bytes(g: int, d: int) -> int:
+    """Threadgroup memory of the partial pass: the G scaled q rows (padded to D + 4 floats), one
+    split's f16 key rows (then its value rows), its scores and the G maxima."""
+    return 16 * g * (d // 4 + 1) + 2 * CMAX * d + 4 * g * CMAX + 4 * g
+
+
 def splits_for(cap: int) -> int:
     return -(-cap // CMAX)
 
