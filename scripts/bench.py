@@ -308,16 +308,11 @@ def dispatch_cost(n: int = 200) -> dict:
             v = v + 1.0
         return v
 
-    def kernel_chain(v):
-        for _ in range(n):
-            v = K.rms_norm_mul(v, None)
-        return v
-
     def kernel_fan(*vs):
         return [K.rms_norm_mul(v, None) for v in vs]
 
     out = {}
-    for name, fn, args in (("mlx add, chain", add_chain, xs[:1]), ("custom kernel, chain", kernel_chain, xs[:1]),
+    for name, fn, args in (("mlx add, chain", add_chain, xs[:1]), ("custom kernel, chain", norm_chain(n), xs[:1]),
                            ("custom kernel, independent", kernel_fan, xs)):
         for compiled in (False, True):
             f = mx.compile(fn) if compiled else fn
@@ -329,6 +324,28 @@ def dispatch_cost(n: int = 200) -> dict:
                 times.append(time.perf_counter() - t0)
             out[name + (" compiled" if compiled else "")] = statistics.median(times) / n
     return out
+
+
+def decode_tokens(step, y: mx.array, n: int) -> mx.array:
+    """``n`` greedy tokens after ``y``, pipelined as ``generate`` does: each step is queued
+    (``mx.async_eval``) before the host waits for the previous token. Returns the last token."""
+    for _ in range(n):
+        nxt = step(y.reshape(1))
+        mx.async_eval(nxt)
+        y.item()
+        y = nxt
+    y.item()
+    return y
+
+
+def norm_chain(n: int):
+    """A dependent chain of ``n`` tiny custom kernels (llama's norm of 256 floats): launch cost
+    without work."""
+    def chain(v):
+        for _ in range(n):
+            v = K.rms_norm_mul(v, None)
+        return v
+    return chain
 
 
 def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dict:
@@ -346,12 +363,7 @@ def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dic
         mx.async_eval(y)
         y.item()
         t0 = time.perf_counter()
-        for _ in range(n_tokens):
-            nxt = step(y.reshape(1))
-            mx.async_eval(nxt)
-            y.item()
-            y = nxt
-        y.item()
+        decode_tokens(step, y, n_tokens)
         dt = time.perf_counter() - t0
         if run:
             rates.append(n_tokens / dt)

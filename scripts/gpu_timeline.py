@@ -226,7 +226,7 @@ def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, libr
     import mlx.core as mx
     import numpy as np
     from muse_mlx.decode import DecodeStep
-    from bench import fill_cache
+    from bench import decode_tokens, fill_cache
 
     cache = model.make_cache()
     fill_cache(model, cache, ctx, np.random.default_rng(0))
@@ -239,12 +239,7 @@ def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, libr
     mx.synchronize()
     with KernelTimeline(library) as tl:
         t0 = time.perf_counter()
-        for _ in range(tokens):
-            nxt = step(y.reshape(1))
-            mx.async_eval(nxt)
-            y.item()
-            y = nxt
-        y.item()
+        decode_tokens(step, y, tokens)
         mx.synchronize()
         wall = time.perf_counter() - t0
     return tl.records, wall
@@ -254,14 +249,9 @@ def trace_chain(n: int, library: str | None):
     """Records of a dependent chain of ``n`` tiny custom kernels (llama's norm of 256 floats),
     compiled: the GPU-side cost of one launch, without the work of a decode."""
     import mlx.core as mx
-    from muse_mlx import kernels as K
+    from bench import norm_chain
 
-    def chain(v):
-        for _ in range(n):
-            v = K.rms_norm_mul(v, None)
-        return v
-
-    f = mx.compile(chain)
+    f = mx.compile(norm_chain(n))
     x = mx.random.normal((1, 256))
     mx.eval(f(x))
     mx.synchronize()
@@ -289,6 +279,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
     import mlx.core as mx
     from muse_mlx import load_model
     from muse_mlx.synthetic import RELEASE_VOCAB, ensure_synthetic
@@ -304,7 +295,7 @@ def main(argv=None) -> int:
         return 2
     path = Path(args.file)
     ensure_synthetic(path, MUSE_GLIMMER_30B, RELEASE_VOCAB, "q4_k_m", 0)
-    flag_sets = [tuple(f for f in s.split("+") if f) for s in args.flags.split(",")] if args.flags else [()]
+    flag_sets = bench.flag_sets(args.route, args.flags)
     out = dict(file=str(path), mlx=mx.__version__, cases=[])
     chain = summarize(trace_chain(200, args.cupti), 1)
     print_summary(chain, "a compiled chain of 200 tiny custom kernels")
