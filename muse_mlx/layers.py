@@ -8,6 +8,9 @@ Forms of a :class:`QLinear` (attribute ``form``):
   * ``"blocks"`` -- ``weight`` is the raw GGUF rows, uint8 ``[out, row_bytes]``;
   * ``"affine"`` -- MLX affine quantization, group 32: ``weight`` (uint32), ``scales``
     and ``biases`` (float32), exact for Q4_K/Q5_K/Q8_0 (see :func:`muse_mlx.quants.to_affine`);
+  * ``"affine_hi_lo"`` -- Q6_K as the sum of two MLX affine forms, group 128: ``weight``,
+    ``scales``, ``biases`` (8 bits) plus ``weight_lo``, ``scales_lo``, ``biases_lo`` (6 bits),
+    exact (see :func:`muse_mlx.quants.to_affine_hi_lo`);
   * ``"dense"``  -- a float matrix ``[out, in]`` (F32/F16/BF16 tensors).
 """
 
@@ -17,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
-from .quants import FORMATS, dequantize, to_affine
+from .quants import FORMATS, HI_LO_GROUP, dequantize, to_affine, to_affine_hi_lo
 
 
 class QLinear(nn.Module):
@@ -30,7 +33,13 @@ class QLinear(nn.Module):
         self.out_features = out_features
         self.form = form
         if form == "affine":
-            self.weight, self.scales, self.biases, self.bits = _affine_in_chunks(raw, qtype)
+            self.weight, self.scales, self.biases, self.bits = _affine_in_chunks(raw, qtype, to_affine)
+            self.group_size = 32
+        elif form == "affine_hi_lo":
+            hi, lo = _affine_in_chunks(raw, qtype, to_affine_hi_lo)
+            self.weight, self.scales, self.biases, self.bits = hi
+            self.weight_lo, self.scales_lo, self.biases_lo, self.bits_lo = lo
+            self.group_size = HI_LO_GROUP
         elif form == "dense":
             self.weight = mx.view(raw, mx.bfloat16) if qtype == T.BF16 else raw
         elif form == "blocks":
@@ -40,8 +49,12 @@ class QLinear(nn.Module):
 
     def dequantized(self) -> mx.array:
         """The float32 matrix ``[out, in]`` (built on demand; used by the stock Q6_K path and tests)."""
-        if self.form == "affine":
-            return mx.dequantize(self.weight, self.scales, self.biases, group_size=32, bits=self.bits)
+        if self.form in ("affine", "affine_hi_lo"):
+            w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+            if self.form == "affine":
+                return w
+            return w + mx.dequantize(self.weight_lo, self.scales_lo, self.biases_lo, group_size=self.group_size,
+                                     bits=self.bits_lo)
         if self.form == "dense":
             return self.weight.astype(mx.float32)
         return dequantize(self.weight, self.qtype)
@@ -50,19 +63,27 @@ class QLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}"
 
 
-def _affine_in_chunks(raw: mx.array, qtype: T, values_per_chunk: int = 1 << 20):
-    """The affine repack, a few rows at a time: unpacking makes ~8 bytes of temporaries per
-    weight, so a whole 19968x6656 matrix at once would need ~1 GB beside the model; 1M weights
-    at a time keep that under ~10 MB."""
+def _affine_in_chunks(raw: mx.array, qtype: T, repack, values_per_chunk: int = 1 << 20):
+    """``repack`` (an MLX affine repack of raw rows), a few rows at a time: unpacking makes ~8
+    bytes of temporaries per weight, so a whole 19968x6656 matrix at once would need ~1 GB beside
+    the model; 1M weights at a time keep that under ~10 MB. Returns what ``repack`` returns, each
+    form ``(w, scales, biases, bits)`` joined over the chunks."""
     per_row = raw.shape[1] // FORMATS[qtype].type_size * FORMATS[qtype].block_size
     step = max(1, values_per_chunk // per_row)
     parts = []
     for start in range(0, raw.shape[0], step):
-        part = to_affine(raw[start : start + step], qtype)
-        mx.eval(part[:3])
-        parts.append(part)
-    bits = parts[0][3]
-    return tuple(mx.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in range(3)) + (bits,)
+        part = repack(raw[start : start + step], qtype)
+        forms = (part,) if repack is to_affine else part
+        mx.eval([f[:3] for f in forms])
+        parts.append(forms)
+
+    def join(k):
+        forms = [p[k] for p in parts]
+        arrays = tuple(mx.concatenate([f[i] for f in forms]) if len(forms) > 1 else forms[0][i] for i in range(3))
+        return arrays + (forms[0][3],)
+
+    joined = tuple(join(k) for k in range(len(parts[0])))
+    return joined[0] if repack is to_affine else joined
 
 
 class QEmbedding(nn.Module):

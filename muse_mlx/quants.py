@@ -88,18 +88,24 @@ def _q5_k_parts(b: mx.array):
     return d * sc.astype(mx.float32), dmin * m.astype(mx.float32), low | (high << 4)
 
 
-def _q6_k_parts(b: mx.array):
-    """Q6_K blocks [..., nb, 210] -> (scale [..., nb, 16], codes - 32 as float [..., nb, 16, 16])."""
+def _q6_k_codes(b: mx.array):
+    """Q6_K blocks [..., nb, 210] -> (d [..., nb], sc int8 [..., nb, 16], codes - 32 int8 [..., nb, 16, 16])."""
     lead = b.shape[:-1]
     ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
     qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
-    sc = mx.view(b[..., 192:208], mx.int8).astype(mx.float32)
+    sc = mx.view(b[..., 192:208], mx.int8)
     d = _f16(b[..., 208:210])
     low = mx.concatenate([ql & 0x0F, ql >> 4], axis=-2).reshape(*lead, 8, 32)
     shifts = mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(4, 1)
     high = ((qh >> shifts) & 0x03).reshape(*lead, 8, 32)
     q = (low | (high << 4)).astype(mx.int8) - 32
-    return d * sc, q.reshape(*lead, 16, 16).astype(mx.float32)
+    return d[..., 0], sc, q.reshape(*lead, 16, 16)
+
+
+def _q6_k_parts(b: mx.array):
+    """Q6_K blocks [..., nb, 210] -> (scale [..., nb, 16], codes - 32 as float [..., nb, 16, 16])."""
+    d, sc, q = _q6_k_codes(b)
+    return d[..., None] * sc.astype(mx.float32), q.astype(mx.float32)
 
 
 def dequantize(data: mx.array, qtype: T) -> mx.array:
@@ -135,20 +141,19 @@ def _pack_lsb(codes: mx.array, bits: int) -> mx.array:
         shifts = (mx.arange(per, dtype=mx.uint32) * bits).reshape(1, per)
         words = (c.reshape(*lead, n // per, per) << shifts).sum(axis=-1)
         return words.astype(mx.uint32)
-    # 5 bits: 32 codes fill exactly 5 words; split each code over at most two words.
+    # 5 or 6 bits: 32 codes fill exactly `bits` words. Each word is an OR of the codes that start
+    # in it and the spill of one that started in the word before; built from per-code slices
+    # (a few bytes of temporaries per weight; masks over whole groups took ~50).
     groups = c.reshape(*lead, n // 32, 32)
-    pos = [i * bits for i in range(32)]
-    out = []
-    for w in range(bits):
-        # Codes starting in word w, plus the spill of codes that started in word w-1.
-        starts = mx.array([p // 32 == w for p in pos])
-        spills = mx.array([p // 32 == w - 1 and p % 32 + bits > 32 for p in pos])
-        shift = mx.array([p % 32 for p in pos], dtype=mx.uint32)
-        spill_shift = mx.array([(32 - p % 32) % 32 for p in pos], dtype=mx.uint32)
-        word = mx.where(starts, groups << shift, 0).sum(axis=-1)
-        word = word + mx.where(spills, groups >> spill_shift, 0).sum(axis=-1)
-        out.append(word.astype(mx.uint32))
-    return mx.stack(out, axis=-1).reshape(*lead, -1).astype(mx.uint32)
+    words = [None] * bits
+    for i in range(32):
+        p = i * bits
+        w, s = divmod(p, 32)
+        code = groups[..., i]
+        words[w] = code << s if words[w] is None else words[w] | (code << s)
+        if s + bits > 32:
+            words[w + 1] = code >> (32 - s)
+    return mx.stack(words, axis=-1).reshape(*lead, -1).astype(mx.uint32)
 
 
 def to_affine(data: mx.array, qtype: T) -> tuple[mx.array, mx.array, mx.array, int]:
@@ -170,3 +175,32 @@ def to_affine(data: mx.array, qtype: T) -> tuple[mx.array, mx.array, mx.array, i
         w = _pack_lsb(codes.reshape(*lead, -1), bits)
         return w, scale.reshape(*lead, -1), (-mn).reshape(*lead, -1), bits
     raise ValueError(f"{qtype.name} has no exact MLX affine form")
+
+
+# Q6_K has 16-value sub-blocks, and MLX's affine groups are 32, 64 or 128 values: no one MLX form
+# holds it. Its weights are d * n with n = sc*(q-32) an integer in [-4064, 4096], which splits
+# exactly into two MLX forms over groups of 128 (one d per group): n + 4096 = 64*h + l with
+# h in [0, 128] (8 bits) and l in [0, 63] (6 bits).
+HI_LO_GROUP = 128
+
+
+def to_affine_hi_lo(data: mx.array, qtype: T):
+    """Raw Q6_K rows -> two MLX affine forms (group 128, float32 scales) whose sum is the matrix:
+    ``((w_hi, scales_hi, biases_hi, 8), (w_lo, scales_lo, biases_lo, 6))``.
+
+    Exact: hi = (64d)*h + (-4096d) and lo = d*l are exact float32 values (d has 11 significant
+    bits, h and l at most 8), and so is their sum d*n (n has at most 12), which is gguf-py's
+    ``(d*sc)*(q-32)``; only a zero may differ in sign (+0.0 here where gguf-py rounds to -0.0).
+    15 bits per weight (Q6_K: 6.56).
+    """
+    if qtype != T.Q6_K:
+        raise ValueError(f"{qtype.name} has an MLX affine form of its own (to_affine)")
+    b = _blocks(data, qtype)
+    lead = data.shape[:-1]
+    d, sc, q = _q6_k_codes(b)
+    m = (sc.astype(mx.int32)[..., None] * q.astype(mx.int32) + 4096).reshape(*lead, -1)
+    per_group = QK_K // HI_LO_GROUP
+    d = mx.repeat(d, per_group, axis=-1)  # [..., nb * 2]
+    hi = (_pack_lsb(m >> 6, 8), d * 64.0, d * -4096.0, 8)
+    lo = (_pack_lsb(m & 63, 6), d, mx.zeros_like(d), 6)
+    return hi, lo

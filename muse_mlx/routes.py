@@ -121,7 +121,8 @@ class StockRoute(Route):
     def form_for(self, qtype: T) -> str:
         if qtype in (T.F32, T.F16, T.BF16):
             return "dense"
-        # Q6_K has no MLX mode (group 16): it stays raw and is dequantized per call, exactly.
+        if qtype == T.Q6_K:
+            return "affine_hi_lo"  # no MLX mode has its 16-value groups: two exact ones summed
         return "affine" if FORMATS[qtype].affine_bits else "blocks"
 
     def norm(self, x, norm):
@@ -134,6 +135,13 @@ class StockRoute(Route):
             return mx.quantized_matmul(
                 x, w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=w.bits
             )
+        if w.form == "affine_hi_lo":
+            self.count("quantized_matmul", 2)
+            self.count("add")
+            hi = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size,
+                                     bits=w.bits)
+            return hi + mx.quantized_matmul(x, w.weight_lo, w.scales_lo, w.biases_lo, transpose=True,
+                                            group_size=w.group_size, bits=w.bits_lo)
         self.count("dequantize_matmul" if w.form == "blocks" else "matmul")
         return x @ w.dequantized().T
 

@@ -46,10 +46,12 @@ def test_forward_matches_float64_reference_with_f16_kv(tiny, arch):
 
 
 def test_stock_route_on_q4_k_model_agrees_with_reference_dequantized_weights(tiny):
-    """The stock route's quantized_matmul on the exact affine repack vs float64 on gguf-py's weights."""
+    """The stock route's quantized_matmuls on the exact affine repacks (Q4_K; Q6_K as hi + lo) vs
+    float64 on gguf-py's weights."""
     path = tiny("muse-glimmer", "q4_k_m")
     model = load_model(path, "stock")
-    assert model.blk[0].attn_q.form == "affine" and model.blk[0].ffn_down.form in ("affine", "blocks")
+    forms = {(m.qtype.name, m.form) for _, m in model.named_modules() if hasattr(m, "form")}
+    assert forms == {("Q4_K", "affine"), ("Q6_K", "affine_hi_lo")}, forms
     ours = logits(model, TOKENS, mx.float32)
     np.testing.assert_allclose(ours, RefModel(path, kv_f16=False).forward(TOKENS), rtol=0, atol=3e-5)
 

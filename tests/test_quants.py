@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from muse_mlx.quantizers import quantize
-from muse_mlx.quants import FORMATS, dequantize, to_affine
+from muse_mlx.quants import FORMATS, HI_LO_GROUP, dequantize, to_affine, to_affine_hi_lo
 
 TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
@@ -104,6 +104,67 @@ def test_quantized_matmul_on_repack_matches_float64(qtype):
     ref = x.astype(np.float64) @ gguf_dequantize(data, qtype).astype(np.float64).reshape(64, 512).T
     # float32 sums of 512 products of size ~1: a few ulp of the sum's magnitude (~30).
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
+
+
+def _hi_lo_matrix(data: np.ndarray) -> np.ndarray:
+    hi, lo = to_affine_hi_lo(mx.array(data), T.Q6_K)
+    parts = [mx.dequantize(w, s, b, group_size=HI_LO_GROUP, bits=bits) for w, s, b, bits in (hi, lo)]
+    return np.array(parts[0] + parts[1])
+
+
+@pytest.mark.parametrize("source", ["quantizer", "arbitrary"])
+def test_q6_k_hi_lo_repack_is_bit_exact(source):
+    """Q6_K -> an 8-bit and a 6-bit MLX affine form (group 128) whose sum is gguf-py's matrix.
+
+    Arbitrary blocks reach every scale (-128..127), every code and d < 0; the one difference
+    allowed is a zero's sign (gguf-py's ``(d*sc)*0`` is -0.0 when d*sc < 0; hi + lo gives +0.0).
+    """
+    rng = np.random.default_rng(7)
+    if source == "quantizer":
+        data = quantize((rng.standard_normal((6, 1024)) * rng.uniform(0.01, 10, (6, 1))).astype(np.float32), T.Q6_K)
+    else:
+        data = _random_blocks(T.Q6_K, 6, 1024, rng)
+    ours, ref = _hi_lo_matrix(data), gguf_dequantize(data, T.Q6_K).reshape(6, 1024)
+    np.testing.assert_array_equal(_bits(ours + np.float32(0)), _bits(ref + np.float32(0)))
+
+
+def test_q6_k_hi_lo_repack_reaches_the_code_range_ends():
+    """n = sc*(q-32) spans [-4064, 4096]; both ends (hi codes 0 and 128) come back exactly."""
+    block = np.zeros(210, np.uint8)
+    block[192:208] = np.array([-128, 127] * 8, np.int8).view(np.uint8)  # scales
+    block[0:128] = 0x00  # ql: low nibbles 0 ...
+    block[128:192] = 0x00  # ... and high bits 0: q = 0, q - 32 = -32
+    block[64:128] = 0xFF  # the second half: q = 15 | (0 << 4) ...
+    block[160:192] = 0xFF  # ... with high bits 3: q = 63, q - 32 = 31
+    block[208:210] = np.array([0.5], np.float16).view(np.uint8)
+    data = block.reshape(1, 210)
+    ref = gguf_dequantize(data, T.Q6_K).reshape(1, 256)
+    assert ref.max() == 0.5 * 4096 and ref.min() == 0.5 * -4064  # (-128)(-32) and (127)(-32)
+    np.testing.assert_array_equal(_bits(_hi_lo_matrix(data)), _bits(ref))
+
+
+def test_q6_k_hi_lo_repack_memory_cost():
+    """Q6_K is 6.5625 bits/weight raw; the hi/lo pair costs 8 + 6 + 4 x 32-bit per 128 = 15."""
+    data = quantize(np.ones((8, 1024), np.float32), T.Q6_K)
+    forms = to_affine_hi_lo(mx.array(data), T.Q6_K)
+    assert sum(a.nbytes for f in forms for a in f[:3]) * 8 / data.size / 256 * 210 == 15.0
+
+
+def test_quantized_matmul_on_hi_lo_matches_float64():
+    rng = np.random.default_rng(8)
+    data = quantize(rng.standard_normal((64, 512)).astype(np.float32), T.Q6_K)
+    (wh, sh, bh, bits_h), (wl, sl, bl, bits_l) = to_affine_hi_lo(mx.array(data), T.Q6_K)
+    x = mx.array(rng.standard_normal((3, 512)).astype(np.float32))
+    ours = np.array(mx.quantized_matmul(x, wh, sh, bh, transpose=True, group_size=HI_LO_GROUP, bits=bits_h)
+                    + mx.quantized_matmul(x, wl, sl, bl, transpose=True, group_size=HI_LO_GROUP, bits=bits_l))
+    ref = np.array(x).astype(np.float64) @ gguf_dequantize(data, T.Q6_K).astype(np.float64).reshape(64, 512).T
+    # two float32 sums of 512 products whose terms are each about |W| in size: a few ulp of ~30
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
+
+
+def test_hi_lo_refuses_other_types():
+    with pytest.raises(ValueError, match="Q4_K has an MLX affine form of its own"):
+        to_affine_hi_lo(mx.array(quantize(np.ones((1, 256), np.float32), T.Q4_K)), T.Q4_K)
 
 
 @pytest.mark.parametrize("qtype,bound", [(T.Q8_0, 0.005), (T.Q6_K, 0.02), (T.Q5_K, 0.04), (T.Q4_K, 0.08)],
