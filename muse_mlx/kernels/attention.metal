@@ -36,18 +36,49 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // outputs: qk [ROWS, D] (f32), kv [2, HKV, D] (f16: the key rows of qk, then V)
 // grid (NTH * ROWS, 1, 1), threadgroup (NTH, 1, 1); templates D, NTH, ROWS, HKV, NORM, ROPE,
 // TRAD, RD, VOFF
+    // A few threadgroups of one warp or so: bound by latency. So every load (the row, its norm
+    // weights, the rotation's frequencies, V) and the rotation's cos/sin come before the first
+    // barrier, and overlap; the values and their order of operations are unchanged.
+    constexpr uint D4 = D / 4;
+    constexpr uint P4 = (D4 + NTH - 1) / NTH;  // float4s of the row per thread
+    constexpr uint PD = (D + NTH - 1) / NTH;   // values of the row per thread
     const uint row = threadgroup_position_in_grid.x;
     const uint tid = thread_index_in_threadgroup;
     const uint sgitg = simdgroup_index_in_threadgroup;
     const uint tiisg = thread_index_in_simdgroup;
+    const bool key_row = row >= ROWS - HKV;
+    const uint kr = row - (ROWS - HKV);  // key head of this row (rows past ROWS - HKV)
     threadgroup float shmem[32];
     threadgroup float normed[D];
     device const float4* x4 = (device const float4*)(y + row * D);
+    device const float4* w4 = (device const float4*)(w + (NORM ? row * D : 0));
+    float4 xv[P4], wv[P4];
+    for (uint k = 0; k < P4; ++k) {
+        const uint i = tid + k * NTH;
+        if (i < D4) {
+            xv[k] = x4[i];
+            if (NORM) wv[k] = w4[i];
+        }
+    }
+    const float L = rope[0] * float(pos[0]);
+    float cv[PD], sv[PD], vv[PD];
+    for (uint k = 0; k < PD; ++k) {
+        const uint i = tid + k * NTH;
+        if (ROPE && i < RD) {
+            const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
+            const uint j = TRAD ? i / 2 : (first ? i : i - RD / 2);
+            const float theta = L * rope[1 + j];
+            cv[k] = cos(theta);
+            sv[k] = sin(theta);
+        }
+        if (key_row && i < D) vv[k] = y[VOFF + kr * D + i];
+    }
     float scale = 1.0f;
     if (NORM) {  // rms_norm_mul's reduction, line for line
         if (sgitg == 0) shmem[tiisg] = 0.0f;
         float sumf = 0.0f;
-        for (uint i = tid; i < D / 4; i += NTH) sumf += dot(x4[i], x4[i]);
+        for (uint k = 0; k < P4; ++k)
+            if (tid + k * NTH < D4) sumf += dot(xv[k], xv[k]);
         sumf = simd_sum(sumf);
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (tiisg == 0) shmem[sgitg] = sumf;
@@ -56,31 +87,31 @@ MUSE_FN float half_of(uint4 w, uint e) {
         const float mean = sumf / float(D);
         scale = 1.0f / sqrt(mean + eps[0]);
     }
-    device const float4* w4 = (device const float4*)(w + (NORM ? row * D : 0));
-    for (uint i = tid; i < D / 4; i += NTH) {
-        float4 v = x4[i];
-        if (NORM) v = (v * scale) * w4[i];
-        for (int e = 0; e < 4; ++e) normed[4 * i + e] = v[e];
+    for (uint k = 0; k < P4; ++k) {
+        const uint i = tid + k * NTH;
+        if (i < D4) {
+            float4 v = xv[k];
+            if (NORM) v = (v * scale) * wv[k];
+            for (int e = 0; e < 4; ++e) normed[4 * i + e] = v[e];
+        }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    const float L = rope[0] * float(pos[0]);
-    const uint kr = row - (ROWS - HKV);  // key head of this row (rows past ROWS - HKV)
-    for (uint i = tid; i < D; i += NTH) {
+    for (uint k = 0; k < PD; ++k) {
+        const uint i = tid + k * NTH;
+        if (i >= D) break;
         float o = normed[i];
         if (ROPE && i < RD) {
             const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
-            const uint j = TRAD ? i / 2 : (first ? i : i - RD / 2);
             const uint partner = TRAD ? (first ? i + 1 : i - 1) : (first ? i + RD / 2 : i - RD / 2);
-            const float theta = L * rope[1 + j];
-            const float c = cos(theta), s = sin(theta);
+            const float c = cv[k], s = sv[k];
             const float x1 = first ? o : normed[partner];
             const float x2 = first ? normed[partner] : o;
             o = first ? fma(x1, c, -(x2 * s)) : fma(x1, s, x2 * c);
         }
         qk[row * D + i] = o;
-        if (row >= ROWS - HKV) {
+        if (key_row) {
             kv[kr * D + i] = half(o);
-            kv[(HKV + kr) * D + i] = half(y[VOFF + kr * D + i]);
+            kv[(HKV + kr) * D + i] = half(vv[k]);
         }
     }
 

@@ -172,15 +172,19 @@ MV_GEOMETRIES = {
     # from 88.7 to 64.3 us and the GLU from 74.0 to 70.0 us; the Q4_K ffn_down alone prefers U = 1
     # (42.6 vs 46.4 us), a smaller loss. Whole token 12.34 -> 11.47 ms. (bench.py's isolated
     # timings, which replay one matrix, had shown no geometry clearly ahead: part of a replayed
-    # matrix stays in L2.) Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 2), "q6_K": (4, 4, 2)}, "metal": {"q4_K": (2, 2, 1), "q6_K": (2, 2, 1)}},
+    # matrix stays in L2.) So a lone Q4_K matrix (ffn_down, attn_output: "q4_K single") keeps
+    # U = 1, and the GLU and the fused projections (two or more matrices: "q4_K") take U = 2.
+    # Metal: unmeasured, so ggml's.
+    "tuned": {"cuda": {"q4_K": (2, 2, 2), "q4_K single": (2, 2, 1), "q6_K": (4, 4, 2)},
+              "metal": {"q4_K": (2, 2, 1), "q4_K single": (2, 2, 1), "q6_K": (2, 2, 1)}},
 }
-_GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
+_GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q4_K single": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
 
 
 def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int]:
     """``(NR0, NSG, U)`` of a named geometry or of ``"NR0xNSG[xU]"``. "tuned" is per backend and
-    block type; ``MUSE_MLX_MV_GEOMETRY`` (Q4_K) and ``MUSE_MLX_MV_GEOMETRY_Q6K`` override it."""
+    kind ("q4_K", "q4_K single", "q6_K"); ``MUSE_MLX_MV_GEOMETRY`` (Q4_K, both kinds) and
+    ``MUSE_MLX_MV_GEOMETRY_Q6K`` override it."""
     if "x" in geometry:
         parts = [int(v) for v in geometry.split("x")]
         nr0, nsg, u = (parts + [1])[:3]
@@ -218,7 +222,7 @@ def _launch(kernel, y, w, block_bytes, which, geometry):
     R = w.shape[0]
     K = w.shape[1] // block_bytes * 256
     y, T = _tokens(y, K)
-    nr0, nsg, u = mv_geometry(geometry, which, "q4_K" if block_bytes == 144 else "q6_K")
+    nr0, nsg, u = mv_geometry(geometry, which, "q4_K single" if block_bytes == 144 else "q6_K")
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u)], which=which,

@@ -65,15 +65,19 @@
 // this body is written to meet it: the same bits as llama.cpp's two kernels run separately,
 // kernel_rms_norm_mul_add (hidden = (src*scale1)*w1 + hidden, eps1) and then
 // kernel_rms_norm_mul (output = (hidden*scale2)*w2, eps2) -- ggml's reduction with ggml's
-// thread count NTH, 1.0f/sqrt, llama's expression shapes, and a device-memory barrier
-// between the two norms where the split route publishes `hidden`.
+// thread count NTH, 1.0f/sqrt, llama's expression shapes.
+// One token's row is one threadgroup, so the kernel is bound by latency, not bandwidth: every
+// thread loads all its values of src, hidden and both weights before the first reduction (one
+// memory round trip instead of three), and keeps the new hidden in registers for the second
+// norm (each thread re-reads only what it wrote, so the values are the ones stored).
 // inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 [1]
 // outputs: hidden_out, output [rows, N]
+    constexpr uint n4 = N / 4;
+    constexpr uint PER = (n4 + NTH - 1) / NTH;  // float4s per thread
     const uint row = threadgroup_position_in_grid.x;
     const uint tid = thread_index_in_threadgroup;
     const uint sgitg = simdgroup_index_in_threadgroup;
     const uint tiisg = thread_index_in_simdgroup;
-    const uint n4 = N / 4;
     threadgroup float shmem[32];
     device const float4* h4 = (device const float4*)(hidden + row * N);
     device const float4* s4 = (device const float4*)(src + row * N);
@@ -82,29 +86,42 @@
     device const float4* w14 = (device const float4*)weight1;
     device const float4* w24 = (device const float4*)weight2;
 
+    float4 sv[PER], hv[PER], w1v[PER], w2v[PER];
+    for (uint k = 0; k < PER; ++k) {
+        const uint i = tid + k * NTH;
+        if (i < n4) { sv[k] = s4[i]; hv[k] = h4[i]; w1v[k] = w14[i]; w2v[k] = w24[i]; }
+    }
+
     // kernel_rms_norm_mul_add over src
     if (sgitg == 0) shmem[tiisg] = 0.0f;
     float sumf = 0.0f;
-    for (uint i = tid; i < n4; i += NTH) sumf += dot(s4[i], s4[i]);
+    for (uint k = 0; k < PER; ++k)
+        if (tid + k * NTH < n4) sumf += dot(sv[k], sv[k]);
     sumf = simd_sum(sumf);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tiisg == 0) shmem[sgitg] = sumf;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sumf = simd_sum(shmem[tiisg]);
     const float scale1 = 1.0f / sqrt(sumf / float(N) + eps1[0]);
-    for (uint i = tid; i < n4; i += NTH) hout4[i] = fma(s4[i] * scale1, w14[i], h4[i]);
+    for (uint k = 0; k < PER; ++k) {
+        const uint i = tid + k * NTH;
+        if (i < n4) { hv[k] = fma(sv[k] * scale1, w1v[k], hv[k]); hout4[i] = hv[k]; }
+    }
 
-    // the split route's boundary: hidden is published to device memory, then re-read
-    threadgroup_barrier(mem_flags::mem_device);
-
-    // kernel_rms_norm_mul over the new hidden
+    // kernel_rms_norm_mul over the new hidden; the barrier first, because SIMD group 0 re-zeroes
+    // the slots every thread has just read
+    threadgroup_barrier(mem_flags::mem_threadgroup);
     if (sgitg == 0) shmem[tiisg] = 0.0f;
     sumf = 0.0f;
-    for (uint i = tid; i < n4; i += NTH) sumf += dot(hout4[i], hout4[i]);
+    for (uint k = 0; k < PER; ++k)
+        if (tid + k * NTH < n4) sumf += dot(hv[k], hv[k]);
     sumf = simd_sum(sumf);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tiisg == 0) shmem[sgitg] = sumf;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sumf = simd_sum(shmem[tiisg]);
     const float scale2 = 1.0f / sqrt(sumf / float(N) + eps2[0]);
-    for (uint i = tid; i < n4; i += NTH) out4[i] = (hout4[i] * scale2) * w24[i];
+    for (uint k = 0; k < PER; ++k) {
+        const uint i = tid + k * NTH;
+        if (i < n4) out4[i] = (hv[k] * scale2) * w2v[k];
+    }
