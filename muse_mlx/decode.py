@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from .cache import RingKVCache
 from .kernels import backend
+from .kernels.backend import in_device_memory
 
 
 class DecodeStep:
@@ -34,15 +35,18 @@ class DecodeStep:
         self._fn = mx.compile(self._step) if self.compiled else self._step
         self._pos, self._offset = None, None
 
-    def _step(self, token, pos, *planes):
+    def _step(self, token, pos4, *planes):
         for c, p in zip(self.cache, planes):
             c.kv = p
-        # a global layer's slot is the position itself, a sliding layer's the position in its
-        # ring (one op per window size, not per layer)
-        rings = {c.window: pos % c.window for c in self.cache if isinstance(c, RingKVCache)}
-        slots = [rings[c.window] if isinstance(c, RingKVCache) else pos for c in self.cache]
-        logits = self.model(token, self.cache, last_only=True, positions=(pos, slots))
-        return (logits[0, -1], pos + 1) + tuple(c.kv for c in self.cache)
+        # The position is four equal int32s, and so is each slot: a one-element array would be
+        # allocated in MLX's managed scalar pool, which kernels may read across PCIe on CUDA
+        # (kernels.backend.SCALAR_POOL_BYTES); the model reads element 0 through a view.
+        # A global layer's slot is the position itself, a sliding layer's the position in its
+        # ring (one op per window size, not per layer).
+        rings = {c.window: pos4 % c.window for c in self.cache if isinstance(c, RingKVCache)}
+        slots = [(rings[c.window] if isinstance(c, RingKVCache) else pos4)[:1] for c in self.cache]
+        logits = self.model(token, self.cache, last_only=True, positions=(pos4[:1], slots))
+        return (logits[0, -1], pos4 + 1) + tuple(c.kv for c in self.cache)
 
     def __call__(self, token: mx.array) -> mx.array:
         offset = self.cache[0].offset
@@ -51,7 +55,7 @@ class DecodeStep:
         # The position lives on the device and each step returns the next one, so a token costs
         # no upload; it is rebuilt only when the caches moved without this step (a new prompt).
         if self._pos is None or self._offset != offset:
-            self._pos = mx.array([offset], dtype=mx.int32)
+            self._pos = in_device_memory(mx.array([offset] * 4, dtype=mx.int32))
         logits, self._pos, *planes = self._fn(token.reshape(1, 1).astype(mx.int32), self._pos,
                                               *[c.kv for c in self.cache])
         for c, p in zip(self.cache, planes):

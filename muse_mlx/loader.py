@@ -19,6 +19,7 @@ from tqdm import tqdm
 from .config import ModelConfig
 from .errors import ModelConfigError
 from .gguf_file import GGUFFile
+from .kernels.backend import in_device_memory
 from .layers import Norm, QEmbedding, QLinear
 from .model import Model
 from .quants import FORMATS, QUANTIZED
@@ -95,7 +96,7 @@ class _Weights:
 
     def embedding(self, name: str, vocab: int, dim: int):
         t, qtype = self._raw(name, (vocab, dim))
-        raw = _in_device_memory(self._device(t))
+        raw = in_device_memory(self._device(t))  # read a row per token: see in_device_memory
         return raw, qtype, QEmbedding(raw, qtype, dim)
 
     def vector(self, name: str, n: int) -> mx.array:
@@ -115,19 +116,6 @@ class _Weights:
             )
 
 
-def _in_device_memory(arr: mx.array) -> mx.array:
-    """On CUDA, a copy of ``arr`` in device memory; elsewhere ``arr`` itself.
-
-    MLX (0.32) keeps arrays made from host data in CUDA managed memory, which moves to the GPU
-    page by page on first touch. A matrix is read whole by the first token and is resident from
-    then on; the embedding table is read one row per token, so every new token's row faulted
-    its pages over (30-200 us per decoded token on the H200, measured with
-    ``scripts/gpu_timeline.py``). What a GPU kernel computes is allocated in device memory."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-        return arr
-    out = arr ^ mx.array(0, dtype=arr.dtype)  # a real kernel: mx.copy would share the buffer
-    mx.eval(out)  # `arr` is still referenced here, so its buffer cannot be donated to `out`
-    return out
 
 
 # where each block keeps its f16 scales: d (and dmin) at the start, Q6_K's d at the end

@@ -328,3 +328,17 @@ def test_kernels_equal_oracles_on_the_gpu():
     g, u = arr(1000, scale=4), arr(1000)
     gpu_exp = lambda v: mx.exp(v.astype(mx.float32), stream=mx.gpu)  # noqa: E731  not the kernel's exp
     assert ffn.silu_oracle(g, u, gpu_exp).shape == K.silu_mul(g, u, which=which).shape
+
+
+def test_kernel_constants_are_four_wide_and_exact():
+    """A kernel's scalar argument is element 0 of four (16 bytes: past MLX's 8-byte scalar pool)."""
+    from muse_mlx.kernels.backend import SCALAR_POOL_BYTES, constant, in_device_memory
+
+    for value, dtype in ((1e-6, mx.float32), (123456, mx.uint32)):
+        c = constant(value, dtype)
+        assert c.dtype == dtype and c.shape == (4,) and c.nbytes > SCALAR_POOL_BYTES
+        assert np.array(c)[0] == np.array([value], dtype=np.dtype(str(dtype).split(".")[-1]))[0]
+    x = mx.array(np.array([-0.0, np.inf, 1e-45, np.nan], np.float32))
+    np.testing.assert_array_equal(np.array(in_device_memory(x)).view(np.uint32), np.array(x).view(np.uint32))
+    with pytest.raises(ValueError, match="8 bytes would stay in MLX's managed scalar pool"):
+        in_device_memory(mx.array([1, 2], dtype=mx.int32))

@@ -31,7 +31,7 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // x1' = fma(x1, cos, -(x2 * sin)), x2' = fma(x1, sin, x2 * cos), where the pair (x1, x2) is
 // (2j, 2j+1) (TRAD) or (j, j + RD/2), for j < RD/2; values past RD pass through.
 // inputs: y (f32: the ROWS head rows from 0, V's HKV rows from VOFF), w [ROWS, D] (norm
-//         weights; any array without NORM), eps [1], pos [1] (int32), rope [1 + RD/2]
+//         weights; any array without NORM), eps (element 0), pos (element 0, int32), rope [2 + RD/2]
 //         (f32: scale, then inv_freq)
 // outputs: qk [ROWS, D] (f32), kv [2, HKV, D] (f16: the key rows of qk, then V)
 // grid (NTH * ROWS, 1, 1), threadgroup (NTH, 1, 1); templates D, NTH, ROWS, HKV, NORM, ROPE,
@@ -60,6 +60,7 @@ MUSE_FN float half_of(uint4 w, uint e) {
             if (NORM) wv[k] = w4[i];
         }
     }
+    const float e = NORM ? eps[0] : 0.0f;
     const float L = rope[0] * float(pos[0]);
     float cv[PD], sv[PD], vv[PD];
     for (uint k = 0; k < PD; ++k) {
@@ -85,7 +86,7 @@ MUSE_FN float half_of(uint4 w, uint e) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         sumf = simd_sum(shmem[tiisg]);
         const float mean = sumf / float(D);
-        scale = 1.0f / sqrt(mean + eps[0]);
+        scale = 1.0f / sqrt(mean + e);
     }
     for (uint k = 0; k < P4; ++k) {
         const uint i = tid + k * NTH;
@@ -119,8 +120,8 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // One threadgroup per (split, KV head): the G query heads of that KV head against the split's
 // keys (at most CMAX of them). Writes the split's max score, sum of exp and unnormalized output
 // (splits past the last that holds keys write nothing).
-// inputs: q (its first HKV*G*D values, float32), kv [2, HKV, CAP, D] (float16), pos [1] (int32), geom [3]
-//         (int32: cap, window, splits), scale [1]
+// inputs: q (its first HKV*G*D values, float32), kv [2, HKV, CAP, D] (float16), pos (element 0, int32), geom [4]
+//         (int32: cap, window, splits), scale (element 0)
 // outputs: part_m, part_l [HKV, SPLITS, G], part_o [HKV, SPLITS, G, D]
 // grid (NT*SPLITS, HKV, 1), threadgroup (NT, 1, 1); templates G, D, NT, CMAX, HKV
     const uint s = threadgroup_position_in_grid.x;
@@ -220,8 +221,8 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // ==== kernel: attn_decode_combine
 // The splits of one query head combined in order: o = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
 // then (GATE) the attention output gate o * (1 / (1 + exp(-g))), as ggml_sigmoid then ggml_mul.
-// inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [3],
-//         pos [1]
+// inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [4],
+//         pos (element 0)
 // outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF,
 // CMAX (keys per split), CB (splits loaded at a time)
     const uint d = thread_position_in_threadgroup.x;

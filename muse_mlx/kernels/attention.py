@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import fp
-from .backend import Kernel, backend, constant
+from .backend import Kernel, backend, constant, in_device_memory
 from .fp import CPU
 
 F32 = mx.float32
@@ -43,18 +43,20 @@ def splits_for(cap: int) -> int:
 
 
 def decode_geometry(cap: int, window: int) -> mx.array:
-    """The constant kernel arguments of one cache: ``[cap, window, splits]`` (int32)."""
-    return mx.array([cap, window, splits_for(cap)], dtype=mx.int32)
+    """The constant kernel arguments of one cache: ``[cap, window, splits, 0]`` (int32, device memory)."""
+    return in_device_memory(mx.array([cap, window, splits_for(cap), 0], dtype=mx.int32))
 
 
 def rope_table(dims: int, base: float | None, scale: float, freqs=None) -> mx.array:
-    """``[scale, inv_freq_0, ...]`` (float32) for :func:`qk_rope_pack`: inv_freq_j = base^(-2j/dims),
-    or 1/freqs_j with explicit frequencies (MLX's ``freqs`` argument), rounded from float64."""
+    """``[scale, inv_freq_0, ..., 0]`` (float32, device memory) for :func:`qk_rope_pack`:
+    inv_freq_j = base^(-2j/dims), or 1/freqs_j with explicit frequencies (MLX's ``freqs``
+    argument), rounded from float64. The trailing zero keeps even a 2-dim table out of MLX's
+    scalar pool (:data:`~muse_mlx.kernels.backend.SCALAR_POOL_BYTES`)."""
     if freqs is not None:
         inv = 1.0 / np.array(freqs, np.float64)
     else:
         inv = float(base) ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
-    return mx.array(np.concatenate([[scale], inv]).astype(np.float32))
+    return in_device_memory(mx.array(np.concatenate([[scale], inv, [0.0]]).astype(np.float32)))
 
 
 def qk_rope_pack_oracle(y, w, eps, pos: int, rope, *, rows, hkv, d, rd, traditional, v_offset, nth,
@@ -68,7 +70,7 @@ def qk_rope_pack_oracle(y, w, eps, pos: int, rope, *, rows, hkv, d, rd, traditio
         x = rms_norm_mul_oracle(x, w, eps, None, nth) if w is not None else x
         if rope is not None:
             L = rope[0] * mx.array(float(pos), F32)
-            theta = L * rope[1:]  # [rd/2]
+            theta = L * rope[1 : 1 + rd // 2]  # [rd/2] (a zero pads the table)
             c, s = cos(theta), sin(theta)
             if traditional:
                 x1, x2 = x[:, 0:rd:2], x[:, 1:rd:2]

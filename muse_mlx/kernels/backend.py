@@ -70,15 +70,41 @@ def backend() -> str:
     return "cpu"
 
 
+def in_device_memory(arr: mx.array) -> mx.array:
+    """On CUDA, a copy of ``arr`` in device memory (the same bits); elsewhere ``arr`` itself.
+
+    MLX (0.32) keeps arrays made from host data in CUDA managed memory, which moves to the GPU
+    page by page on first touch, and back when the host touches the page: an embedding table
+    read one row per token faulted its pages over every token (30-200 us per token on the H200,
+    measured with ``scripts/gpu_timeline.py``). What a GPU kernel computes is allocated in
+    device memory -- unless it is 8 bytes or less (below)."""
+    if arr.nbytes <= SCALAR_POOL_BYTES:  # checked everywhere, so a CPU run catches it too
+        raise ValueError(f"an array of {arr.nbytes} bytes would stay in MLX's managed scalar pool")
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return arr
+    word = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[arr.itemsize]
+    bits = mx.view(arr, word)
+    out = mx.view(bits ^ mx.array(0, dtype=word), arr.dtype)  # a real kernel: mx.copy would share the buffer
+    mx.eval(out)  # `arr` is still referenced here, so its buffer cannot be donated to `out`
+    return out
+
+
+# MLX's CUDA allocator serves every buffer of at most 8 bytes -- a host-made scalar or a kernel's
+# one-element output alike -- from one pool of managed memory that the GPU maps but the host also
+# writes (each new scalar), so a kernel's read of such a buffer can be a read across PCIe. The
+# decode path's small arrays are therefore made wider than that: constants of four elements,
+# the position of four (muse_mlx.decode).
+SCALAR_POOL_BYTES = 8
 _CONSTANTS: dict[tuple, mx.array] = {}
 
 
 def constant(value, dtype=mx.float32) -> mx.array:
-    """A one-element array holding a kernel's scalar argument (an epsilon, a count), made once
-    per value: a fresh ``mx.array`` per call would be one more upload per dispatch."""
+    """A kernel's scalar argument (an epsilon, a count) as element 0 of a four-element array in
+    device memory, made once per value: a fresh ``mx.array`` per call would be one more upload
+    per dispatch, and a one-element one would live in MLX's managed scalar pool (above)."""
     key = (value, dtype)
     if key not in _CONSTANTS:
-        _CONSTANTS[key] = mx.array([value], dtype=dtype)
+        _CONSTANTS[key] = in_device_memory(mx.array([value] * 4, dtype=dtype))
     return _CONSTANTS[key]
 
 

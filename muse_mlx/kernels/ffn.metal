@@ -68,7 +68,7 @@ MUSE_FN void q4k_v4_dual_row_mac(device const uchar* blk, uint row_bytes, uint r
 // Seeds Ch 18 §18.6, muser_silu_mul_inplace (shaders/muse_reference.metal:4), carried
 // verbatim: one thread per element, gate = (v / (1 + exp(-v))) * up. MLX kernels cannot
 // write an input, so the result goes to `out` instead of back into `gate`.
-// inputs: gate, up [count], count [1]; outputs: out [count]
+// inputs: gate, up [count], count (element 0); outputs: out [count]
     const uint index = thread_position_in_grid.x;
     if (index < count[0]) {
         float value = gate[index];
@@ -78,7 +78,7 @@ MUSE_FN void q4k_v4_dual_row_mac(device const uchar* blk, uint row_bytes, uint r
 // ==== kernel: gelu_mul_inplace
 // The GELU twin for the gemma architectures: ggml's kernel_geglu formula, one thread per
 // element.
-// inputs: gate, up [count], count [1]; outputs: out [count]
+// inputs: gate, up [count], count (element 0); outputs: out [count]
     const uint index = thread_position_in_grid.x;
     if (index < count[0]) {
         out[index] = gelu_tanh(gate[index]) * up[index];

@@ -405,7 +405,7 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 // q6K_dequant4). For the batched prefill's matmul and the embedding row. A "quad" is 4
 // consecutive values; thread s takes four quads, 32 apart, so a SIMD group's stores are four
 // contiguous 512-byte runs, and loads all four before converting any.
-// inputs: w [n_blocks * block bytes] (uint8), count [1] (quads = values / 4);
+// inputs: w [n_blocks * block bytes] (uint8), count (element 0) (quads = values / 4);
 // outputs: out [n_blocks * 256]; template TYPE
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
@@ -416,7 +416,7 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 
 // ==== kernel: dequant_f16
 // The same values rounded to half (round to nearest even), for an f16 prefill matmul.
-// inputs: w [n_blocks * block bytes] (uint8), count [1] (quads); outputs: out [n_blocks * 256]
+// inputs: w [n_blocks * block bytes] (uint8), count (element 0) (quads); outputs: out [n_blocks * 256]
 // (half); template TYPE
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
@@ -431,7 +431,7 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 // gguf-py: the embedding lookup, gather and dequantization in one dispatch, one quad per thread.
 // A token id past the table reads its last row (ids are checked against the vocabulary before
 // they reach the device; this keeps a bad one from reading outside the table).
-// inputs: w [R, ROWB] (uint8), tokens [T] (int32), count [1] (T * KQ); outputs: out [T, 4*KQ];
+// inputs: w [R, ROWB] (uint8), tokens [T] (int32), count (element 0) (T * KQ); outputs: out [T, 4*KQ];
 // templates TYPE, R (rows), ROWB (bytes per row), KQ (quads per row)
     const uint s = thread_position_in_grid.x;
     if (s >= count[0]) return;

@@ -10,7 +10,7 @@
 // one-token tail. 1,024 threads = 32 SIMD groups, 33 floats of threadgroup memory, rsqrt,
 // thread 0 adds the 32 partials serially. NOT exact against llama.cpp (the reason it is
 // opt-in): its reduction tree and rsqrt differ from ggml's.
-// inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 [1]
+// inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 (element 0)
 // outputs: hidden_out, output [rows, N]
     const uint n = N;
     const uint row = threadgroup_position_in_grid.x;
@@ -70,7 +70,7 @@
 // thread loads all its values of src, hidden and both weights before the first reduction (one
 // memory round trip instead of three), and keeps the new hidden in registers for the second
 // norm (each thread re-reads only what it wrote, so the values are the ones stored).
-// inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 [1]
+// inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 (element 0)
 // outputs: hidden_out, output [rows, N]
     constexpr uint n4 = N / 4;
     constexpr uint PER = (n4 + NTH - 1) / NTH;  // float4s per thread
@@ -86,6 +86,7 @@
     device const float4* w14 = (device const float4*)weight1;
     device const float4* w24 = (device const float4*)weight2;
 
+    const float e1 = eps1[0], e2 = eps2[0];
     float4 sv[PER], hv[PER], w1v[PER], w2v[PER];
     for (uint k = 0; k < PER; ++k) {
         const uint i = tid + k * NTH;
@@ -102,7 +103,7 @@
     if (tiisg == 0) shmem[sgitg] = sumf;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sumf = simd_sum(shmem[tiisg]);
-    const float scale1 = 1.0f / sqrt(sumf / float(N) + eps1[0]);
+    const float scale1 = 1.0f / sqrt(sumf / float(N) + e1);
     for (uint k = 0; k < PER; ++k) {
         const uint i = tid + k * NTH;
         if (i < n4) { hv[k] = fma(sv[k] * scale1, w1v[k], hv[k]); hout4[i] = hv[k]; }
@@ -120,7 +121,7 @@
     if (tiisg == 0) shmem[sgitg] = sumf;
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sumf = simd_sum(shmem[tiisg]);
-    const float scale2 = 1.0f / sqrt(sumf / float(N) + eps2[0]);
+    const float scale2 = 1.0f / sqrt(sumf / float(N) + e2);
     for (uint k = 0; k < PER; ++k) {
         const uint i = tid + k * NTH;
         if (i < n4) out4[i] = (hv[k] * scale2) * w2v[k];

@@ -7,7 +7,7 @@
 // per threadgroup, 128 threads = 4 SIMD groups, float4 loads; thread 0 adds the four
 // partials and calls rsqrt. Adapted to MLX only in its header: n is the template N, eps a
 // one-element array, the positions come from MLX's attribute names.
-// inputs: x [rows, N], weight [N], eps [1]; outputs: out [rows, N]
+// inputs: x [rows, N], weight [N], eps (element 0); outputs: out [rows, N]
     const uint n = N;
     const uint tgid = threadgroup_position_in_grid.x;
     const uint tid = thread_index_in_threadgroup;
@@ -45,7 +45,7 @@
 // MODE 1: y = x*scale; 2: y = (x*scale)*w; 3: y = (x*scale)*w + a (ggml's NORM_MUL_ADD,
 // written as the fma a fast-math compile contracts it to). WROW 1: w holds one weight row per
 // row of x (the Q- and K-norms of a token in one dispatch; each row's bits as if alone).
-// inputs: x [rows, N], w [N] or [rows, N], a [rows, N], eps [1]; outputs: out [rows, N]
+// inputs: x [rows, N], w [N] or [rows, N], a [rows, N], eps (element 0); outputs: out [rows, N]
     const uint row = threadgroup_position_in_grid.x;
     const uint tid = thread_index_in_threadgroup;
     const uint sgitg = simdgroup_index_in_threadgroup;
@@ -82,7 +82,7 @@
 // ==== kernel: rms_norm_f16
 // The cross-vendor seam, first half (seeds Ch 12 §12.7): the unweighted norm, written as
 // F16, with no approximate functions. Same reduction as rms_norm_mul.
-// inputs: x [rows, N], eps [1]; outputs: out [rows, N] (float16)
+// inputs: x [rows, N], eps (element 0); outputs: out [rows, N] (float16)
     const uint row = threadgroup_position_in_grid.x;
     const uint tid = thread_index_in_threadgroup;
     const uint sgitg = simdgroup_index_in_threadgroup;
@@ -109,6 +109,6 @@
 // ==== kernel: mul_f16
 // The cross-vendor seam, second half: the learned weight applied in F16. A product of two
 // F16 values is exact in float32, so rounding it once to F16 is F16 multiplication.
-// inputs: x [rows, N] (float16), w [N] (float16), count [1]; outputs: out [rows, N] (float16)
+// inputs: x [rows, N] (float16), w [N] (float16), count (element 0); outputs: out [rows, N] (float16)
     const uint i = thread_position_in_grid.x;
     if (i < count[0]) out[i] = half(float(x[i]) * float(w[i % N]));
