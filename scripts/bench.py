@@ -348,17 +348,22 @@ def norm_chain(n: int):
     return chain
 
 
+def greedy_step(model, cache, capacity: int, compiled):
+    """``token -> next greedy token``: the decode path's ``DecodeStep`` where the route has one
+    (``compiled`` as it says), else the model's general forward over the growing cache."""
+    if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
+        step_fn = DecodeStep(model, cache, capacity, compiled)
+        return lambda y: mx.argmax(step_fn(y))
+    return lambda y: mx.argmax(model(y.reshape(1, 1), cache, last_only=True)[0, -1])
+
+
 def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dict:
     """Median tokens/s over ``runs`` runs of ``n_tokens`` greedy tokens, pipelined as generate does."""
     rates = []
     for run in range(runs + 1):  # the first run warms up (kernel builds, the compile trace)
         cache = model.make_cache()
         fill_cache(model, cache, ctx, rng)
-        if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
-            step_fn = DecodeStep(model, cache, ctx + n_tokens + 2, compiled)
-            step = lambda y: mx.argmax(step_fn(y))  # noqa: E731
-        else:
-            step = lambda y: mx.argmax(model(y.reshape(1, 1), cache, last_only=True)[0, -1])  # noqa: E731
+        step = greedy_step(model, cache, ctx + n_tokens + 2, compiled)
         y = step(mx.array([1]))
         mx.async_eval(y)
         y.item()

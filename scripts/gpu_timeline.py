@@ -225,13 +225,11 @@ def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, libr
     """Records of ``tokens`` decoded tokens after ``warmup`` untimed ones (bench.py's loop)."""
     import mlx.core as mx
     import numpy as np
-    from muse_mlx.decode import DecodeStep
-    from bench import decode_tokens, fill_cache
+    from bench import decode_tokens, fill_cache, greedy_step
 
     cache = model.make_cache()
     fill_cache(model, cache, ctx, np.random.default_rng(0))
-    step_fn = DecodeStep(model, cache, ctx + warmup + tokens + 2, compiled)
-    step = lambda y: mx.argmax(step_fn(y))  # noqa: E731
+    step = greedy_step(model, cache, ctx + warmup + tokens + 2, compiled)
     y = step(mx.array([1]))
     for _ in range(warmup):
         y = step(y.reshape(1))
@@ -313,8 +311,10 @@ def main(argv=None) -> int:
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
         records, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti)
+        general = not model.route.fast_decode(model.cfg)
         label = (f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
-                 + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else ""))
+                 + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else "")
+                 + (" (the general forward: this route has no decode path, nothing is compiled)" if general else ""))
         s = summarize(records, args.tokens)
         s["wall_ms_per_token"] = wall / args.tokens * 1e3
         print_summary(s, label)
