@@ -8,7 +8,7 @@ Forms of a :class:`QLinear` (attribute ``form``):
   * ``"blocks"`` -- ``weight`` is the raw GGUF rows, uint8 ``[out, row_bytes]``;
   * ``"affine"`` -- MLX affine quantization, group 32: ``weight`` (uint32), ``scales``
     and ``biases`` (float32), exact for Q4_K/Q5_K/Q8_0 (see :func:`muse_mlx.quants.to_affine`);
-  * ``"affine_hi_lo"`` -- Q6_K as the sum of two MLX affine forms, group 128: ``weight``,
+  * ``"affine_hi_lo"`` -- Q6_K as the sum of two MLX affine forms, group 64: ``weight``,
     ``scales``, ``biases`` (8 bits) plus ``weight_lo``, ``scales_lo``, ``biases_lo`` (6 bits),
     exact (see :func:`muse_mlx.quants.to_affine_hi_lo`);
   * ``"dense"``  -- a float matrix ``[out, in]`` (F32/F16/BF16 tensors).

@@ -179,19 +179,21 @@ def to_affine(data: mx.array, qtype: T) -> tuple[mx.array, mx.array, mx.array, i
 
 # Q6_K has 16-value sub-blocks, and MLX's affine groups are 32, 64 or 128 values: no one MLX form
 # holds it. Its weights are d * n with n = sc*(q-32) an integer in [-4064, 4096], which splits
-# exactly into two MLX forms over groups of 128 (one d per group): n + 4096 = 64*h + l with
-# h in [0, 128] (8 bits) and l in [0, 63] (6 bits).
-HI_LO_GROUP = 128
+# exactly into two MLX forms over groups that share one d: n + 4096 = 64*h + l with h in [0, 128]
+# (8 bits) and l in [0, 63] (6 bits). Groups of 64, not 128 (one d covers 256): MLX 0.32.4's
+# CUDA quantized_matmul fails to launch at group 128 from 64 rows of x up ("cuGraphAddKernelNode
+# ... invalid argument" on the H200, 2026-12-01, bits 6 and 8; groups of 32 and 64 run).
+HI_LO_GROUP = 64
 
 
 def to_affine_hi_lo(data: mx.array, qtype: T):
-    """Raw Q6_K rows -> two MLX affine forms (group 128, float32 scales) whose sum is the matrix:
+    """Raw Q6_K rows -> two MLX affine forms (group 64, float32 scales) whose sum is the matrix:
     ``((w_hi, scales_hi, biases_hi, 8), (w_lo, scales_lo, biases_lo, 6))``.
 
     Exact: hi = (64d)*h + (-4096d) and lo = d*l are exact float32 values (d has 11 significant
     bits, h and l at most 8), and so is their sum d*n (n has at most 12), which is gguf-py's
     ``(d*sc)*(q-32)``; only a zero may differ in sign (+0.0 here where gguf-py rounds to -0.0).
-    15 bits per weight (Q6_K: 6.56).
+    16 bits per weight (Q6_K: 6.56).
     """
     if qtype != T.Q6_K:
         raise ValueError(f"{qtype.name} has an MLX affine form of its own (to_affine)")

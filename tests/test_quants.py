@@ -114,7 +114,7 @@ def _hi_lo_matrix(data: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("source", ["quantizer", "arbitrary"])
 def test_q6_k_hi_lo_repack_is_bit_exact(source):
-    """Q6_K -> an 8-bit and a 6-bit MLX affine form (group 128) whose sum is gguf-py's matrix.
+    """Q6_K -> an 8-bit and a 6-bit MLX affine form (group 64) whose sum is gguf-py's matrix.
 
     Arbitrary blocks reach every scale (-128..127), every code and d < 0; the one difference
     allowed is a zero's sign (gguf-py's ``(d*sc)*0`` is -0.0 when d*sc < 0; hi + lo gives +0.0).
@@ -144,10 +144,10 @@ def test_q6_k_hi_lo_repack_reaches_the_code_range_ends():
 
 
 def test_q6_k_hi_lo_repack_memory_cost():
-    """Q6_K is 6.5625 bits/weight raw; the hi/lo pair costs 8 + 6 + 4 x 32-bit per 128 = 15."""
+    """Q6_K is 6.5625 bits/weight raw; the hi/lo pair costs 8 + 6 + 4 x 32-bit per 64 = 16."""
     data = quantize(np.ones((8, 1024), np.float32), T.Q6_K)
     forms = to_affine_hi_lo(mx.array(data), T.Q6_K)
-    assert sum(a.nbytes for f in forms for a in f[:3]) * 8 / data.size / 256 * 210 == 15.0
+    assert sum(a.nbytes for f in forms for a in f[:3]) * 8 / data.size / 256 * 210 == 16.0
 
 
 def test_quantized_matmul_on_hi_lo_matches_float64():
