@@ -99,12 +99,13 @@ _CONSTANTS: dict[tuple, mx.array] = {}
 
 
 def constant(value, dtype=mx.float32) -> mx.array:
-    """A kernel's scalar argument (an epsilon, a count) as element 0 of a four-element array in
-    device memory, made once per value: a fresh ``mx.array`` per call would be one more upload
+    """A kernel's scalar argument (an epsilon, a count) as element 0 of an array of at least four
+    in device memory, made once per value: a fresh ``mx.array`` per call would be one more upload
     per dispatch, and a one-element one would live in MLX's managed scalar pool (above)."""
     key = (value, dtype)
     if key not in _CONSTANTS:
-        _CONSTANTS[key] = in_device_memory(mx.array([value] * 4, dtype=dtype))
+        wide = max(4, 2 * SCALAR_POOL_BYTES // dtype.size)  # past the pool whatever the element size
+        _CONSTANTS[key] = in_device_memory(mx.array([value] * wide, dtype=dtype))
     return _CONSTANTS[key]
 
 

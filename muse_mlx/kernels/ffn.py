@@ -15,7 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import fp
-from .backend import Kernel, backend
+from .backend import Kernel, backend, constant
 from .fp import CPU
 from .mul_mv import F32, Q4KRows, _flat, q4_K_lane_inputs
 
@@ -79,7 +79,7 @@ KERNELS = (_SILU, _GELU, _4R2S)
 def _elementwise(kernel, g, u, which):
     n = g.size
     (out,) = kernel(
-        [g.astype(F32).reshape(-1), u.astype(F32).reshape(-1), mx.array([n], dtype=mx.uint32)],
+        [g.astype(F32).reshape(-1), u.astype(F32).reshape(-1), constant(n, mx.uint32)],
         [(n,)], [F32], grid=(n, 1, 1), threadgroup=(min(256, n), 1, 1), template=None, which=which,
     )
     return out.reshape(g.shape)

@@ -183,7 +183,7 @@ def rms_norm_f16(x, w, eps: float = 1e-5, geometry: str = "llama", which=None) -
     )
     total = rows * n
     (out,) = _MUL_F16(
-        [normed, w16, mx.array([total], dtype=mx.uint32)], [x2.shape], [mx.float16], grid=(total, 1, 1),
+        [normed, w16, constant(total, mx.uint32)], [x2.shape], [mx.float16], grid=(total, 1, 1),
         threadgroup=(min(256, total), 1, 1), template=[("N", n)], which=which,
     )
     return out.reshape(x.shape)
