@@ -34,7 +34,7 @@ PINNED_FLAGS = {
     "tail_32sg": "legacy one-token dual-eps tail (rsqrt, serial 32-partial combine): NOT exact vs llama.cpp",
     "ffn_4r2s": "fused Q4_K gate+up+activation kernel (ffn_q4k_gate_up_silu_4r2s): NOT exact vs llama.cpp",
     "split_norm_f16": "cross-vendor seam: every norm split into an F16 unweighted RMS and an F16 weight multiply",
-    "mv_q8": "Q4_K and Q6_K matvecs on int8 activations (per-32 scales, as llama.cpp's CUDA q8_1) with integer dots: NOT exact, fast",
+    "mv_q8": "Q4_K matvecs on int8 activations (per-32 scales, as llama.cpp's CUDA q8_1) with integer dots: NOT exact, fast",
 }
 
 
@@ -210,9 +210,9 @@ class PinnedRoute(Route):
                 self.count("dequant_matmul")
                 wd = kernels.dequantize_rows(w.weight, _KIND[w.qtype], self.batched)
                 return (x.astype(wd.dtype) @ wd.T).astype(x.dtype)
-            if "mv_q8" in self.flags:
-                self.count(f"mul_mv_{_KIND[w.qtype]}_q8")
-                return kernels.mul_mv_q8(x, [(w.weight, _KIND[w.qtype])])
+            if "mv_q8" in self.flags and w.qtype == T.Q4_K:
+                self.count("mul_mv_q4_K_q8")
+                return kernels.mul_mv_q8(x, [(w.weight, "q4_K")])
             self.count(f"mul_mv_{_KIND[w.qtype]}_f32")
             return (kernels.mul_mv_q4_K if w.qtype == T.Q4_K else kernels.mul_mv_q6_K)(x, w.weight)
         self.count("stock_linear")

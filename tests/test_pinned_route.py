@@ -38,14 +38,13 @@ def test_pinned_route_is_deterministic(tiny):
 
 
 def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
-    """mv_q8 rounds every Q4_K and Q6_K matvec's input to int8 per 32 values (~0.4 % of a group's
-    max): the logits move visibly, far less than their spread, and the dispatches are the q8 ones."""
+    """mv_q8 rounds every Q4_K matvec's input to int8 per 32 values (~0.4 % of a group's max):
+    the logits move visibly, far less than their spread, and the dispatches are the q8 ones."""
     path = tiny("muse-glimmer")
     base = logits(load_model(path, "pinned"))
     model = load_model(path, "pinned", ["mv_q8"])
     q8 = logits(model)
-    assert model.route.dispatches["mul_mv_q4_K_q8"] > 0 and model.route.dispatches["mul_mv_q6_K_q8"] > 0
-    assert not [op for op in model.route.dispatches if op.endswith("_f32") and op.startswith("mul_mv")]
+    assert model.route.dispatches["mul_mv_q4_K_q8"] > 0
     err = np.abs(q8 - base).max()
     assert 1e-4 < err < 0.1 * base.std(), err
     assert (q8.argmax(-1) == base.argmax(-1)).mean() >= 0.75

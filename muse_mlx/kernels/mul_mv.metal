@@ -446,8 +446,8 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 // Lane l of a SIMD group takes the 32-byte quant runs p = l, l+32, ... of its rows (run p =
 // block p/4, sub-blocks 2(p%4) and 2(p%4)+1); each threadgroup quantizes y into threadgroup
 // memory first, one thread per group of 32. Up to four matrices as mul_mv_multi_f32 (Y 0 Q4_K
-// through q8, 1 Q6_K through q8 as below), or (GLU 1) gate and up rows with the activation ACT
-// applied.
+// through q8, 1 Q6_K through the exact kernel's lanes), or (GLU 1) gate and up rows with the
+// activation ACT applied.
 // inputs: w0..w3, y [T, K]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -507,62 +507,8 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     if (first_row >= rows) return;
     const uint nb = K / 256;
     float sumf[2 * NR0];
-    if (type == 1) {
-        // Q6_K through q8: the exact kernel's lanes (lane = 2*tid + ix, tid = 8*ip + il; blocks
-        // ix, ix+2, ...; values l0..l0+3 of the four runs of 32 in half ip), each run's four
-        // products an exact integer dot sum((q - 32) * qy), then per block
-        //   t = sum_k fma(sc_k, dy_k * float(isum_k), t);  sumf = fma(d, t, sumf)
-        const uint row_bytes = nb * 210u;
-        device const uchar* rp[NR0];
-        for (int r = 0; r < NR0; ++r) {
-            rp[r] = w + (ulong)min(first_row + uint(r), rows - 1u) * row_bytes;
-            sumf[r] = 0.0f;
-        }
-        const uint tid = tiisg / 2, ix = tiisg % 2, ip = tid / 8, il = tid % 8;
-        const uint l0 = 4 * il;
-        const uint is = 8 * ip + l0 / 16;
-        const uint magic = 0x4B000000u | (tiisg >> 5);  // the 2^23 pattern, in a register (see u2f_m)
-        for (uint i = ix; i < nb; i += 2) {
-            int yv[4], ys[4];
-            float dyv[4];
-            for (int k = 0; k < 4; ++k) {
-                const uint g = 8 * i + 4 * ip + uint(k);  // the q8 group of run k
-                const int4 v4 = qw[2 * g + il / 4];      // its values l0 .. l0+3: word il % 4
-                const uint c = il % 4;
-                yv[k] = c == 0 ? v4.x : (c == 1 ? v4.y : (c == 2 ? v4.z : v4.w));
-                dyv[k] = qd[g];
-                ys[k] = dot4_i8(0x01010101u, yv[k], 0);   // their sum
-            }
-            // every row's loads first, so the block's bytes of all rows are in flight together
-            uint ql1[NR0], ql2[NR0], qh[NR0], sc[NR0];
-            float d[NR0];
-            for (int r = 0; r < NR0; ++r) {
-                device const uchar* blk = rp[r] + (ulong)i * 210u;
-                ql1[r] = load_u32_from_u16(blk + 64 * ip + l0);
-                ql2[r] = load_u32_from_u16(blk + 64 * ip + l0 + 32);
-                qh[r] = load_u32_from_u16(blk + 128 + 32 * ip + l0);
-                sc[r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
-                        | (uint(blk[198 + is]) << 24);
-                d[r] = float(*(device const half*)(blk + 208));
-            }
-            for (int r = 0; r < NR0; ++r) {
-                uint code[4];  // the 6-bit codes of values l0..l0+3 of run k, one byte each
-                code[0] = (ql1[r] & 0x0F0F0F0Fu) | ((qh[r] << 4) & 0x30303030u);
-                code[1] = (ql2[r] & 0x0F0F0F0Fu) | ((qh[r] << 2) & 0x30303030u);
-                code[2] = ((ql1[r] >> 4) & 0x0F0F0F0Fu) | (qh[r] & 0x30303030u);
-                code[3] = ((ql2[r] >> 4) & 0x0F0F0F0Fu) | ((qh[r] >> 2) & 0x30303030u);
-                const uint sx = sc[r] ^ 0x80808080u;  // int8 s as s + 128 (see q6K_lane_sums)
-                float t = 0.0f;
-                for (int k = 0; k < 4; ++k) {
-                    const int isum = dot4_i8(code[k], yv[k], 0) - 32 * ys[k];  // |isum| <= 16256
-                    // float(isum) exactly, without I2F: isum in the mantissa of 1.5 * 2^23
-                    const float fi = as_type<float>(uint(isum + 0x4B400000)) - 12582912.0f;
-                    const float s = as_type<float>(byte_magic(sx, uint(k), magic)) - 8388736.0f;
-                    t = fma(s, dyv[k] * fi, t);
-                }
-                sumf[r] = fma(d[r], t, sumf[r]);
-            }
-        }
+    if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
+        row_sums<1, NR0, 1>(w, first_row, rows, nb, yt, tiisg, sumf);
     } else {
         const uint row_bytes = nb * 144u;
         device const uchar* rp[2 * NR0];

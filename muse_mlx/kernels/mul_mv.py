@@ -344,45 +344,6 @@ def mul_mv_q4_K_q8_oracle(y, w) -> mx.array:
         return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
 
 
-def mul_mv_q6_K_q8_oracle(y, w) -> mx.array:
-    """The q8 kernel's Q6_K operations in its order: lane (ip, il, ix) of the exact kernel takes
-    values 4il..4il+3 of the four runs of 32 in half ip of blocks ix, ix+2, ...; per run an exact
-    integer dot ``sum((q - 32) * qy)``; per block ``t = fma(sc_k, dy_k * isum_k, t)`` over the runs
-    in order, then ``sumf = fma(d, t, sumf)``; then the butterfly (lane = 16ip + 2il + ix)."""
-    R, nb = w.shape[0], w.shape[1] // 210
-    K = nb * 256
-    y2 = _flat(y, K)
-    T = y2.shape[0]
-    with mx.stream(CPU):
-        q, dy, _ = quantize_q8(y2)  # [T, nb*8, 32], [T, nb*8]
-        qy = q.reshape(T, nb, 2, 4, 8, 4)[:, None]  # value = 256b + 128ip + 32k + 4il + l
-        dyk = dy.reshape(T, nb, 2, 4)[:, None, :, :, :, None]  # group = 8b + 4ip + k
-        b = w.reshape(R, nb, 210)
-        d = fp.f16(b[..., 208:210])[None, :, :, None, None]
-        sc = mx.view(b[..., 192:208], mx.int8).astype(F32).reshape(R, nb, 2, 8)
-        ql = b[..., 0:128].reshape(R, nb, 2, 2, 8, 4)  # byte = 64ip + 32s + 4il + l
-        qh = b[..., 128:192].reshape(R, nb, 2, 8, 4)  # byte = 32ip + 4il + l
-        q1, q2 = ql[:, :, :, 0], ql[:, :, :, 1]
-        codes = [(q1 & 0xF) | ((qh & 0x03) << 4), (q2 & 0xF) | ((qh & 0x0C) << 2),
-                 (q1 >> 4) | (qh & 0x30), (q2 >> 4) | ((qh & 0xC0) >> 2)]
-        il_group = mx.array([i // 4 for i in range(8)])
-        t = mx.zeros((1,), F32)
-        for k in range(4):
-            n = (codes[k].astype(mx.float64) - 32.0)[None]  # [1, R, nb, ip, il, l]
-            isum = (n * qy[:, :, :, :, k]).sum(axis=-1).astype(F32)  # exact integers, [T, R, nb, ip, il]
-            s = mx.take(sc, il_group + 2 * k, axis=-1)[None]  # sc[8ip + il//4 + 2k]
-            t = fp.fma(s, dyk[..., k, :] * isum, t)
-        d_b = fp.pad_axis(mx.broadcast_to(d, t.shape), 2, 2).reshape(T, R, -1, 2, 2, 8)
-        t = fp.pad_axis(t, 2, 2).reshape(T, R, -1, 2, 2, 8)  # [T, R, block pair, ix, ip, il]
-        acc = mx.zeros((T, R, 2, 2, 8), F32)
-        for j in range(t.shape[2]):
-            acc = fp.fma(d_b[:, :, j], t[:, :, j], acc)
-        lanes = acc.transpose(0, 1, 3, 4, 2).reshape(T, R, 32)  # lane = 16ip + 2il + ix
-        return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
-
-
-Q8_ORACLES = {"q4_K": mul_mv_q4_K_q8_oracle, "q6_K": mul_mv_q6_K_q8_oracle}
-
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 KERNELS += (_Q8,)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
@@ -398,9 +359,9 @@ def _q8_geometry(which: str) -> tuple[int, int]:
 
 
 def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
-    """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K and Q6_K,
-    both through q8), concatenated; or, with ``glu`` an activation, two Q4_K matrices (gate, up)
-    and ``act(gate) * up``."""
+    """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8,
+    Q6_K through the exact lanes), concatenated; or, with ``glu`` an activation, two Q4_K
+    matrices (gate, up) and ``act(gate) * up``."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _k_of(*weights[0])
@@ -408,7 +369,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
     if which == "cpu":
-        outs = [Q8_ORACLES[k](y, w) for w, k in weights]
+        outs = [(mul_mv_q4_K_q8_oracle if k == "q4_K" else ORACLES[k])(y, w) for w, k in weights]
         if glu is not None:
             return silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
         return mx.concatenate(outs, axis=-1)
