@@ -250,19 +250,6 @@ def check_decode_kernels(rng, quick):
         want = attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=probe("exp"))
         compare("attn_decode (partial + combine)", f"{h}x{hkv}x{d} cap {cap} win {window} pos {pos}", got, want,
                 note="device exp")
-    # the opt-in int8-activation kernel against its oracle (exact integer dots, then its float order)
-    wq, wq2 = q4(ff, D), q4(ff, D)
-    sel = mx.array(np.unique(np.r_[0:64, np.linspace(0, ff - 1, 64).astype(int)]))
-    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
-    compare("mul_mv_q4_K_q8 (opt-in mv_q8)", f"{ff}x{D}", got[..., sel], mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]),
-            note=f"{sel.size} rows")
-    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
-    want = ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]), mul_mv.mul_mv_q4_K_q8_oracle(x, wq2[sel]),
-                           exp=probe("exp"))
-    compare("mul_mv_q4_K_q8 glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
-    got = gpu(K.mul_mv_q8, x, ws)
-    want = mx.concatenate([(mul_mv.mul_mv_q4_K_q8_oracle if k == "q4_K" else mul_mv.ORACLES[k])(x, w) for w, k in ws], -1)
-    compare("mul_mv_q4_K_q8 multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
     # Q/K-norms + RoPE + f16 K/V (one dispatch) against its oracle given the device's sin and cos
     for h, hkv, d, trad in ((32, 2, 128, True), (16, 8, 128, False)):
         rows = h + hkv
@@ -277,6 +264,37 @@ def check_decode_kernels(rng, quick):
     qk, w = randn(rng, 34, 128), randn(rng, 34, 128)
     compare("rms_norm_mul per-row weights", "34x128", gpu(K.rms_norm_mul, qk, w, 1e-5),
             rms_norm.rms_norm_mul_oracle(qk, w, 1e-5, None, 32))
+
+
+def check_q8(rng, quick):
+    """The opt-in int8-activation kernel (flag mv_q8) against its oracle (exact integer dots, then
+    its float order; Q6_K rows through the exact lanes), on every Q4_K matrix shape of the release
+    geometry: random valid blocks (written in seconds, where quantizing takes minutes)."""
+    D, ff = (6656, 19968) if not quick else (512, 768)  # (768: an odd number of blocks per row)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h = randn(rng, 1, D), randn(rng, 1, ff)
+    some = lambda n: mx.array(np.unique(np.r_[0:64, np.linspace(0, n - 1, 64).astype(int)]))  # noqa: E731
+    q8_or_exact = lambda k: mul_mv.mul_mv_q4_K_q8_oracle if k == "q4_K" else mul_mv.ORACLES[k]  # noqa: E731
+    wq, wq2 = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    sel = some(ff)
+    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
+    compare("mul_mv_q4_K_q8 (opt-in mv_q8)", f"{ff}x{D}", got[..., sel], mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]),
+            note=f"{sel.size} rows")
+    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
+    want = ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]), mul_mv.mul_mv_q4_K_q8_oracle(x, wq2[sel]),
+                           exp=probe("exp"))
+    compare("mul_mv_q4_K_q8 glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
+    for rows, k in ((D, ff), (D, qw)):  # ffn_down, attn_output
+        w, sel = random_blocks(rows, k, T.Q4_K, rng), some(rows)
+        y = h if k == ff else randn(rng, 1, k)
+        got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
+        compare("mul_mv_q4_K_q8 (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], mul_mv.mul_mv_q4_K_q8_oracle(y, w[sel]),
+                note=f"{sel.size} rows")
+    ws = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
+          (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
+    got = gpu(K.mul_mv_q8, x, ws)
+    want = mx.concatenate([q8_or_exact(k)(x, w) for w, k in ws], -1)
+    compare("mul_mv_q4_K_q8 multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
 
 
 def check_decode_step(rng, quick):
@@ -318,7 +336,7 @@ def transcendental_ulps(rng, quick=False):
 
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
-                geometries=check_geometries, decode_kernels=check_decode_kernels, decode_step=check_decode_step,
+                geometries=check_geometries, decode_kernels=check_decode_kernels, q8=check_q8, decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)
 
 
