@@ -128,7 +128,8 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
             w = random_blocks(R, Kc, qtype, rng)
             kind = "q4_K" if qtype == T.Q4_K else "q6_K"
             fn = K.mul_mv_q4_K if qtype == T.Q4_K else K.mul_mv_q6_K
-            variants = [(f"pinned mul_mv_{kind} (tuned {K.mul_mv.mv_geometry('tuned', K.backend(), kind)})",
+            single = "q4_K single" if kind == "q4_K" else kind  # mul_mv_q4_K's own geometry
+            variants = [(f"pinned mul_mv_{kind} (tuned {K.mul_mv.mv_geometry('tuned', K.backend(), single)})",
                          lambda y: fn(y, w), w.nbytes)]
             variants.append((f"pinned mul_mv_{kind} (ggml 2x2)", lambda y: fn(y, w, geometry="ggml"), w.nbytes))
             if qtype == T.Q4_K:
