@@ -202,7 +202,7 @@ def to_affine_hi_lo(data: mx.array, qtype: T):
     d, sc, q = _q6_k_codes(b)
     m = (sc.astype(mx.int32)[..., None] * q.astype(mx.int32) + 4096).reshape(*lead, -1)
     per_group = QK_K // HI_LO_GROUP
-    d = mx.repeat(d, per_group, axis=-1)  # [..., nb * 2]
+    d = mx.repeat(d, per_group, axis=-1)  # [..., nb * per_group]
     hi = (_pack_lsb(m >> 6, 8), d * 64.0, d * -4096.0, 8)
     lo = (_pack_lsb(m & 63, 6), d, mx.zeros_like(d), 6)
     return hi, lo

@@ -311,7 +311,7 @@ def main(argv=None) -> int:
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
         records, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti)
-        general = not model.route.fast_decode(model.cfg)
+        general = not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), model.make_cache())
         label = (f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
                  + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else "")
                  + (" (the general forward: this route has no decode path, nothing is compiled)" if general else ""))

@@ -356,7 +356,8 @@ def geo(g: tuple) -> str:
     return "x".join(str(v) for v in g)
 
 
-def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], everything: bool):
+def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], everything: bool,
+                 q4_single: list[str] | None = None):
     """(label, recorded call) for each release launch, once per geometry."""
     out = []
 
@@ -368,10 +369,11 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
     y_d, y_ff = mx.zeros((1, D)), mx.zeros((1, FF))
     q4 = lambda r, k: zeros_rows(r, k, "q4_K")  # noqa: E731
     q6 = lambda r, k: zeros_rows(r, k, "q6_K")  # noqa: E731
-    for g in q4_geoms:
+    for g in q4_single or q4_geoms:  # the lone Q4_K matrices ("q4_K single" when tuned)
         rec(f"ffn_gate/up {FF}x{D}", K.mul_mv_q4_K, y_d, q4(FF, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
         rec(f"attn_out {D}x{QW}", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
+    for g in q4_geoms:
         rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d,
             [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")], geometry=g)
         rec(f"ffn_gate+up q4_K {FF}x{D} silu", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu", geometry=g)
@@ -526,9 +528,11 @@ def main(argv=None) -> int:
         return 2
     q4 = (SWEEP if a.sweep else a.geometry.split(",")) if (a.sweep or a.geometry) else \
         [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K"))]
+    tuned_geometries = not (a.sweep or a.geometry)
+    q4_single = [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K single"))] if tuned_geometries else None
     q6 = a.geometry_q6k.split(",") if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K"))]
     q8 = a.q8_geometry.split(",") if a.q8_geometry else [geo(mul_mv._q8_geometry("cuda"))]
-    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only))
+    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single))
     if not a.matvec_only:
         missing = {k.name for k in K.ALL_KERNELS} - {c["kernel"].name for _, c in calls}
         if missing:

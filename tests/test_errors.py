@@ -160,7 +160,7 @@ def test_loading_needs_far_less_than_twice_the_file(tmp_path, capfd):
     """Weights are copied tensor by tensor from the mapping: peak MLX memory ~ the model, not 2x the file.
 
     pinned keeps the raw blocks (1x the quantized bytes). stock repacks Q4_K to affine with float32
-    scales (6.0 vs 4.5 bits per weight) and Q6_K to its exact hi/lo pair (15 vs 6.56 bits); a
+    scales (6.0 vs 4.5 bits per weight) and Q6_K to its exact hi/lo pair (16 vs 6.56 bits); a
     tensor's repack is built in chunks and joined, so the peak is the model plus at most one
     tensor's form twice over (the chunks and their join).
     """

@@ -332,13 +332,16 @@ def test_kernels_equal_oracles_on_the_gpu():
 
 def test_kernel_constants_are_four_wide_and_exact():
     """A kernel's scalar argument is element 0 of four (16 bytes: past MLX's 8-byte scalar pool)."""
-    from muse_mlx.kernels.backend import SCALAR_POOL_BYTES, constant, in_device_memory
+    from muse_mlx.kernels.backend import SCALAR_POOL_BYTES, bit_copy, constant, in_device_memory
 
     for value, dtype in ((1e-6, mx.float32), (123456, mx.uint32)):
         c = constant(value, dtype)
         assert c.dtype == dtype and c.shape == (4,) and c.nbytes > SCALAR_POOL_BYTES
         assert np.array(c)[0] == np.array([value], dtype=np.dtype(str(dtype).split(".")[-1]))[0]
     x = mx.array(np.array([-0.0, np.inf, 1e-45, np.nan], np.float32))
-    np.testing.assert_array_equal(np.array(in_device_memory(x)).view(np.uint32), np.array(x).view(np.uint32))
+    for dtype in (mx.float32, mx.float16, mx.int64, mx.uint8):
+        v = x.astype(dtype) if dtype != mx.float32 else x
+        c = bit_copy(v)  # the copy in_device_memory makes on CUDA, run here on the CPU
+        assert c.dtype == dtype and np.array(c).tobytes() == np.array(v).tobytes()
     with pytest.raises(ValueError, match="8 bytes would stay in MLX's managed scalar pool"):
         in_device_memory(mx.array([1, 2], dtype=mx.int32))

@@ -82,9 +82,14 @@ def in_device_memory(arr: mx.array) -> mx.array:
         raise ValueError(f"an array of {arr.nbytes} bytes would stay in MLX's managed scalar pool")
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return arr
-    word = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[arr.itemsize]
-    bits = mx.view(arr, word)
-    out = mx.view(bits ^ mx.array(0, dtype=word), arr.dtype)  # a real kernel: mx.copy would share the buffer
+    return bit_copy(arr)
+
+
+def bit_copy(arr: mx.array) -> mx.array:
+    """A new buffer holding ``arr``'s bits, written by a kernel (``mx.copy`` would share the
+    buffer): the words xor 0, so -0.0, NaN payloads and denormals come through unchanged."""
+    word = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[arr.itemsize]
+    out = mx.view(mx.view(arr, word) ^ mx.array(0, dtype=word), arr.dtype)
     mx.eval(out)  # `arr` is still referenced here, so its buffer cannot be donated to `out`
     return out
 

@@ -69,7 +69,7 @@
 // One token's row is one threadgroup, so the kernel is bound by latency, not bandwidth: every
 // thread loads all its values of src, hidden and both weights before the first reduction (one
 // memory round trip instead of three), and keeps the new hidden in registers for the second
-// norm (each thread re-reads only what it wrote, so the values are the ones stored).
+// norm (the values it stored; nothing is read back from memory).
 // inputs: hidden, src [rows, N], weight1, weight2 [N], eps1, eps2 (element 0)
 // outputs: hidden_out, output [rows, N]
     constexpr uint n4 = N / 4;
