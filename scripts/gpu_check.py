@@ -297,6 +297,30 @@ def check_q8(rng, quick):
     compare("mul_mv_q4_K_q8 multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
 
 
+def check_stock_q6k(rng, quick):
+    """The stock route's Q6_K form (two MLX affine forms, hi + lo) on the device: MLX's own
+    dequantization of the pair against gguf-py, bit for bit (zeros compared without their sign,
+    as the form promises), and its two quantized_matmuls against a float64 product (info: MLX's
+    rounding, not a pinned order)."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from muse_mlx.quants import HI_LO_GROUP, to_affine_hi_lo
+
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    for rows, k in ((D, ff), (256, D)):  # ffn_down, attn_v
+        w = random_blocks(rows, k, T.Q6_K, rng)
+        forms = to_affine_hi_lo(w, T.Q6_K)
+        got = sum(mx.dequantize(q, s, b, group_size=HI_LO_GROUP, bits=bits) for q, s, b, bits in forms)
+        want = mx.array(gguf_dequantize(np.array(w), T.Q6_K).reshape(rows, k))
+        compare("stock Q6_K hi + lo == gguf-py", f"{rows}x{k}", got + 0.0, want + 0.0, note="zero signs dropped")
+        for m in (1, 64):  # qmv, and the quantized GEMM a prefill takes
+            x = randn(rng, m, k)
+            qmm = sum(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=HI_LO_GROUP, bits=bits)
+                      for q, s, b, bits in forms)
+            ref = (np.array(x, np.float64) @ np.array(want, np.float64).T).astype(np.float32)
+            compare("stock Q6_K qmm(hi) + qmm(lo) vs float64", f"{m}x{k} @ {rows}x{k}", qmm, mx.array(ref), exact=False)
+
+
 def check_decode_step(rng, quick):
     """A tiny model's decode path: compiled (one replayed trace) == uncompiled == the model's own."""
     import tempfile
@@ -336,7 +360,8 @@ def transcendental_ulps(rng, quick=False):
 
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
-                geometries=check_geometries, decode_kernels=check_decode_kernels, q8=check_q8, decode_step=check_decode_step,
+                geometries=check_geometries, decode_kernels=check_decode_kernels, q8=check_q8, stock_q6k=check_stock_q6k,
+                decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)
 
 
