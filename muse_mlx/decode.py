@@ -43,9 +43,10 @@ class DecodeStep:
         # (kernels.backend.SCALAR_POOL_BYTES); the model reads element 0 through a view.
         # A global layer's slot is the position itself, a sliding layer's the position in its
         # ring (one op per window size, not per layer).
-        rings = {c.window: pos4 % c.window for c in self.cache if isinstance(c, RingKVCache)}
-        slots = [(rings[c.window] if isinstance(c, RingKVCache) else pos4)[:1] for c in self.cache]
-        logits = self.model(token, self.cache, last_only=True, positions=(pos4[:1], slots))
+        pos = pos4[:1]
+        rings = {c.window: (pos4 % c.window)[:1] for c in self.cache if isinstance(c, RingKVCache)}
+        slots = [rings[c.window] if isinstance(c, RingKVCache) else pos for c in self.cache]
+        logits = self.model(token, self.cache, last_only=True, positions=(pos, slots))
         return (logits[0, -1], pos4 + 1) + tuple(c.kv for c in self.cache)
 
     def __call__(self, token: mx.array) -> mx.array:
