@@ -43,7 +43,7 @@ from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx import load_model, synthetic  # noqa: E402
 from muse_mlx.decode import DecodeStep  # noqa: E402
 from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E402
-from muse_mlx.quants import to_affine  # noqa: E402
+from muse_mlx.quants import HI_LO_GROUP, to_affine, to_affine_hi_lo  # noqa: E402
 from muse_mlx.routes import PINNED_FLAGS  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
@@ -140,6 +140,14 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
                 variants.append(("stock quantized_matmul (affine, f32 scales)",
                                  lambda y: mx.quantized_matmul(y, aw, sc, bi, transpose=True, group_size=32, bits=bits),
                                  aw.nbytes + sc.nbytes + bi.nbytes))
+            if qtype == T.Q6_K:  # the stock route's exact pair: two quantized_matmuls and an add
+                forms = to_affine_hi_lo(w, qtype)
+                mx.eval([f[:3] for f in forms])
+                variants.append(("stock quantized_matmul x2 (Q6_K hi + lo)",
+                                 lambda y, forms=forms: sum(
+                                     mx.quantized_matmul(y, q, s, b, transpose=True, group_size=HI_LO_GROUP, bits=bits)
+                                     for q, s, b, bits in forms),
+                                 sum(a.nbytes for f in forms for a in f[:3])))
             if label.startswith("ffn_gate") and qtype == T.Q4_K:
                 w2 = random_blocks(R, Kc, qtype, rng)
                 variants.append(("pinned mul_mv_glu (gate+up+silu)", lambda y: K.mul_mv_glu(y, w, w2, kind, "silu"),
