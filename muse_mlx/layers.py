@@ -16,6 +16,9 @@ Forms of a :class:`QLinear` (attribute ``form``):
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
+
 import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
@@ -33,7 +36,8 @@ class QLinear(nn.Module):
         self.out_features = out_features
         self.form = form
         if form == "affine":
-            self.weight, self.scales, self.biases, self.bits = _affine_in_chunks(raw, qtype, to_affine)
+            ((self.weight, self.scales, self.biases, self.bits),) = _affine_in_chunks(
+                raw, qtype, lambda rows, qt: (to_affine(rows, qt),))
             self.group_size = 32
         elif form == "affine_hi_lo":
             hi, lo = _affine_in_chunks(raw, qtype, to_affine_hi_lo)
@@ -47,14 +51,19 @@ class QLinear(nn.Module):
         else:
             raise ValueError(f"unknown linear form {form!r}")
 
+    def affine_forms(self) -> list[tuple]:
+        """The MLX affine forms ``(w, scales, biases, bits)`` whose sum is the matrix: one for
+        "affine", hi then lo for "affine_hi_lo" (all of group ``group_size``)."""
+        forms = [(self.weight, self.scales, self.biases, self.bits)]
+        if self.form == "affine_hi_lo":
+            forms.append((self.weight_lo, self.scales_lo, self.biases_lo, self.bits_lo))
+        return forms
+
     def dequantized(self) -> mx.array:
-        """The float32 matrix ``[out, in]`` (built on demand; used by the stock Q6_K path and tests)."""
+        """The float32 matrix ``[out, in]`` (built on demand; used by the general stock path and tests)."""
         if self.form in ("affine", "affine_hi_lo"):
-            w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
-            if self.form == "affine":
-                return w
-            return w + mx.dequantize(self.weight_lo, self.scales_lo, self.biases_lo, group_size=self.group_size,
-                                     bits=self.bits_lo)
+            return reduce(operator.add, (mx.dequantize(q, s, b, group_size=self.group_size, bits=bits)
+                                         for q, s, b, bits in self.affine_forms()))
         if self.form == "dense":
             return self.weight.astype(mx.float32)
         return dequantize(self.weight, self.qtype)
@@ -64,26 +73,23 @@ class QLinear(nn.Module):
 
 
 def _affine_in_chunks(raw: mx.array, qtype: T, repack, values_per_chunk: int = 1 << 20):
-    """``repack`` (an MLX affine repack of raw rows), a few rows at a time: unpacking makes ~8
-    bytes of temporaries per weight, so a whole 19968x6656 matrix at once would need ~1 GB beside
-    the model; 1M weights at a time keep that under ~10 MB. Returns what ``repack`` returns, each
-    form ``(w, scales, biases, bits)`` joined over the chunks."""
+    """``repack`` (raw rows -> a tuple of MLX affine forms ``(w, scales, biases, bits)``), a few
+    rows at a time: unpacking makes ~8 bytes of temporaries per weight, so a whole 19968x6656
+    matrix at once would need ~1 GB beside the model; 1M weights at a time keep that under
+    ~10 MB. Returns the forms, each joined over the chunks."""
     per_row = raw.shape[1] // FORMATS[qtype].type_size * FORMATS[qtype].block_size
     step = max(1, values_per_chunk // per_row)
     parts = []
     for start in range(0, raw.shape[0], step):
-        part = repack(raw[start : start + step], qtype)
-        forms = (part,) if repack is to_affine else part
+        forms = repack(raw[start : start + step], qtype)
         mx.eval([f[:3] for f in forms])
         parts.append(forms)
 
-    def join(k):
-        forms = [p[k] for p in parts]
-        arrays = tuple(mx.concatenate([f[i] for f in forms]) if len(forms) > 1 else forms[0][i] for i in range(3))
-        return arrays + (forms[0][3],)
+    def join(chunks):  # one form's chunks
+        arrays = tuple(mx.concatenate([c[i] for c in chunks]) if len(chunks) > 1 else chunks[0][i] for i in range(3))
+        return arrays + (chunks[0][3],)
 
-    joined = tuple(join(k) for k in range(len(parts[0])))
-    return joined[0] if repack is to_affine else joined
+    return tuple(join(chunks) for chunks in zip(*parts))
 
 
 class QEmbedding(nn.Module):

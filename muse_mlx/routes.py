@@ -15,7 +15,9 @@ Muser kernels) in order; see :mod:`muse_mlx.kernels`.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
+from functools import reduce
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -130,18 +132,14 @@ class StockRoute(Route):
         return mx.fast.rms_norm(x, norm.gamma, norm.eps)
 
     def linear(self, x, w):
-        if w.form == "affine":
-            self.count("quantized_matmul")
-            return mx.quantized_matmul(
-                x, w.weight, w.scales, w.biases, transpose=True, group_size=32, bits=w.bits
-            )
-        if w.form == "affine_hi_lo":
-            self.count("quantized_matmul", 2)
-            self.count("add")
-            hi = mx.quantized_matmul(x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size,
-                                     bits=w.bits)
-            return hi + mx.quantized_matmul(x, w.weight_lo, w.scales_lo, w.biases_lo, transpose=True,
-                                            group_size=w.group_size, bits=w.bits_lo)
+        if w.form in ("affine", "affine_hi_lo"):
+            # one quantized_matmul per form, summed in order (Q6_K: hi, then + lo)
+            forms = w.affine_forms()
+            self.count("quantized_matmul", len(forms))
+            if len(forms) > 1:
+                self.count("add", len(forms) - 1)
+            return reduce(operator.add, (mx.quantized_matmul(x, q, s, b, transpose=True, group_size=w.group_size,
+                                                             bits=bits) for q, s, b, bits in forms))
         self.count("dequantize_matmul" if w.form == "blocks" else "matmul")
         return x @ w.dequantized().T
 

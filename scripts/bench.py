@@ -43,8 +43,8 @@ from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx import load_model, synthetic  # noqa: E402
 from muse_mlx.decode import DecodeStep  # noqa: E402
 from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E402
-from muse_mlx.quants import HI_LO_GROUP, to_affine, to_affine_hi_lo  # noqa: E402
-from muse_mlx.routes import PINNED_FLAGS  # noqa: E402
+from muse_mlx.layers import QLinear  # noqa: E402
+from muse_mlx.routes import PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
 
@@ -117,6 +117,7 @@ MATVECS = [  # (label, rows, cols) at the release geometry
 
 def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
     rows = []
+    stock = StockRoute()
     scale = g.n_embd / MUSE_GLIMMER_30B.n_embd
     shapes = MATVECS if scale == 1 else [
         ("ffn_gate/up", g.n_ff, g.n_embd), ("ffn_down", g.n_embd, g.n_ff), ("attn_q", g.n_head * g.head_dim, g.n_embd),
@@ -134,20 +135,13 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
             variants.append((f"pinned mul_mv_{kind} (ggml 2x2)", lambda y: fn(y, w, geometry="ggml"), w.nbytes))
             if qtype == T.Q4_K:
                 variants.append(("pinned mul_mv_q4_K_q8 (opt-in mv_q8)", lambda y: K.mul_mv_q8(y, [(w, "q4_K")]), w.nbytes))
-            if qtype == T.Q4_K and not label.startswith("head"):
-                aw, sc, bi, bits = to_affine(w, qtype)
-                mx.eval(aw, sc, bi)
-                variants.append(("stock quantized_matmul (affine, f32 scales)",
-                                 lambda y: mx.quantized_matmul(y, aw, sc, bi, transpose=True, group_size=32, bits=bits),
-                                 aw.nbytes + sc.nbytes + bi.nbytes))
-            if qtype == T.Q6_K:  # the stock route's exact pair: two quantized_matmuls and an add
-                forms = to_affine_hi_lo(w, qtype)
-                mx.eval([f[:3] for f in forms])
-                variants.append(("stock quantized_matmul x2 (Q6_K hi + lo)",
-                                 lambda y, forms=forms: sum(
-                                     mx.quantized_matmul(y, q, s, b, transpose=True, group_size=HI_LO_GROUP, bits=bits)
-                                     for q, s, b, bits in forms),
-                                 sum(a.nbytes for f in forms for a in f[:3])))
+            # the stock route's own op on its own form of the matrix (Q4_K: the affine repack with
+            # float32 scales; Q6_K: the hi/lo pair, two quantized_matmuls and an add)
+            lin = QLinear(w, qtype, Kc, R, stock.form_for(qtype))
+            mx.eval(lin.parameters())
+            variants.append(("stock quantized_matmul (affine, f32 scales)" if qtype == T.Q4_K
+                             else "stock quantized_matmul x2 (Q6_K hi + lo)",
+                             lambda y, lin=lin: stock.linear(y, lin), sum(a.nbytes for f in lin.affine_forms() for a in f[:3])))
             if label.startswith("ffn_gate") and qtype == T.Q4_K:
                 w2 = random_blocks(R, Kc, qtype, rng)
                 variants.append(("pinned mul_mv_glu (gate+up+silu)", lambda y: K.mul_mv_glu(y, w, w2, kind, "silu"),

@@ -304,19 +304,20 @@ def check_stock_q6k(rng, quick):
     rounding, not a pinned order)."""
     from gguf.quants import dequantize as gguf_dequantize
 
-    from muse_mlx.quants import HI_LO_GROUP, to_affine_hi_lo
+    from muse_mlx.layers import QLinear
+    from muse_mlx.routes import StockRoute
 
     D, ff = (6656, 19968) if not quick else (512, 768)
+    stock = StockRoute()
     for rows, k in ((D, ff), (256, D)):  # ffn_down, attn_v
         w = random_blocks(rows, k, T.Q6_K, rng)
-        forms = to_affine_hi_lo(w, T.Q6_K)
-        got = sum(mx.dequantize(q, s, b, group_size=HI_LO_GROUP, bits=bits) for q, s, b, bits in forms)
+        lin = QLinear(w, T.Q6_K, k, rows, stock.form_for(T.Q6_K))  # the route's own form and op
         want = mx.array(gguf_dequantize(np.array(w), T.Q6_K).reshape(rows, k))
-        compare("stock Q6_K hi + lo == gguf-py", f"{rows}x{k}", got + 0.0, want + 0.0, note="zero signs dropped")
+        compare("stock Q6_K hi + lo == gguf-py", f"{rows}x{k}", lin.dequantized() + 0.0, want + 0.0,
+                note="zero signs dropped")
         for m in (1, 64):  # qmv, and the quantized GEMM a prefill takes
             x = randn(rng, m, k)
-            qmm = sum(mx.quantized_matmul(x, q, s, b, transpose=True, group_size=HI_LO_GROUP, bits=bits)
-                      for q, s, b, bits in forms)
+            qmm = stock.linear(x, lin)
             ref = (np.array(x, np.float64) @ np.array(want, np.float64).T).astype(np.float32)
             compare("stock Q6_K qmm(hi) + qmm(lo) vs float64", f"{m}x{k} @ {rows}x{k}", qmm, mx.array(ref), exact=False)
 
