@@ -15,6 +15,13 @@ from .kernels import backend
 from .kernels.backend import in_device_memory
 
 
+def position_array(offset: int) -> mx.array:
+    """A token's position as the decode path passes it: four equal int32s in device memory (a
+    one-element array would live in MLX's managed scalar pool, which kernels may read across
+    PCIe on CUDA: kernels.backend.SCALAR_POOL_BYTES); the model reads element 0 through a view."""
+    return in_device_memory(mx.array([offset] * 4, dtype=mx.int32))
+
+
 class DecodeStep:
     """``step(token) -> logits [vocab]`` for batch 1, advancing ``cache`` by one position.
 
@@ -38,10 +45,8 @@ class DecodeStep:
     def _step(self, token, pos4, *planes):
         for c, p in zip(self.cache, planes):
             c.kv = p
-        # The position is four equal int32s, and so is each slot: a one-element array would be
-        # allocated in MLX's managed scalar pool, which kernels may read across PCIe on CUDA
-        # (kernels.backend.SCALAR_POOL_BYTES); the model reads element 0 through a view.
-        # A global layer's slot is the position itself, a sliding layer's the position in its
+        # The position is four equal int32s (position_array), and so is each ring's slot; the model
+        # reads element 0 of each through a view. A global layer's slot is the position itself, a sliding layer's the position in its
         # ring (one op per window size, not per layer).
         pos = pos4[:1]
         rings = {c.window: (pos4 % c.window)[:1] for c in self.cache if isinstance(c, RingKVCache)}
@@ -56,7 +61,7 @@ class DecodeStep:
         # The position lives on the device and each step returns the next one, so a token costs
         # no upload; it is rebuilt only when the caches moved without this step (a new prompt).
         if self._pos is None or self._offset != offset:
-            self._pos = in_device_memory(mx.array([offset] * 4, dtype=mx.int32))
+            self._pos = position_array(offset)
         logits, self._pos, *planes = self._fn(token.reshape(1, 1).astype(mx.int32), self._pos,
                                               *[c.kv for c in self.cache])
         for c, p in zip(self.cache, planes):

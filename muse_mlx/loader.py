@@ -116,8 +116,6 @@ class _Weights:
             )
 
 
-
-
 # where each block keeps its f16 scales: d (and dmin) at the start, Q6_K's d at the end
 _SCALE_OFFSETS = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
 

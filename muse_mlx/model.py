@@ -19,7 +19,7 @@ import numpy as np
 
 from .cache import make_cache
 from .config import ModelConfig
-from .kernels.backend import in_device_memory
+from .decode import position_array
 from .layers import Norm, QEmbedding, QLinear
 from .routes import Route
 from .trace import tap
@@ -243,9 +243,7 @@ class Model(nn.Module):
             masks = {False: None, True: None}
             if advance:
                 self.prepare_decode(cache, cache[0].offset + 1)
-                # four wide in device memory, read through a view: see decode.DecodeStep._step
-                pos4 = in_device_memory(mx.array([cache[0].offset] * 4, dtype=mx.int32))
-                positions = (pos4[:1], [c.slot(c.offset) for c in cache])
+                positions = (position_array(cache[0].offset)[:1], [c.slot(c.offset) for c in cache])
             pos, slots = positions
         else:
             masks = self._masks(T, cache)
