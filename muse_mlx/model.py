@@ -248,6 +248,7 @@ class Model(nn.Module):
         else:
             masks = self._masks(T, cache)
         a = tap("attn_norm", route.norm(hidden, self.blk[0].attn_norm), 0)
+        in_flight = None  # a batched prefill's last group of layers, still running on the device
         for i, block in enumerate(self.blk):
             nxt = self.blk[i + 1].attn_norm if i + 1 < cfg.n_layer else self.output_norm
             c = None if cache is None else cache[i]
@@ -255,8 +256,16 @@ class Model(nn.Module):
                               (pos, slots[i]) if decode else None)
             if route.batched is not None and route.layer_sync and not decode and (i + 1) % route.layer_sync == 0:
                 # a batched prefill dequantizes every matrix of a layer: evaluating every few
-                # layers frees them before later layers' exist (the GPU may run far ahead)
-                mx.eval(hidden, a)
+                # layers frees them before later layers' exist (the GPU may run far ahead). The
+                # group is started, then the one before it waited for, so that the device runs one
+                # group while the host builds the next: at most two groups' matrices at a time.
+                if not route.layer_pipeline:
+                    mx.eval(hidden, a)
+                    continue
+                mx.async_eval(hidden, a)
+                if in_flight is not None:
+                    mx.eval(in_flight)
+                in_flight = (hidden, a)
         if advance:
             for c in cache:
                 c.offset += 1

@@ -59,6 +59,9 @@ class Route:
         # batched prefill: evaluate every this many layers (bounds its memory; 0: one graph);
         # set with `batched` by generate.batched_prefill
         self.layer_sync = 0
+        # ... starting each group before waiting for the one before (False: wait for each group
+        # before building the next, which leaves the device idle meanwhile; kept to measure it)
+        self.layer_pipeline = True
 
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""

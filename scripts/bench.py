@@ -207,6 +207,58 @@ def geometry_sweep(reps: int, rng) -> list[dict]:
     return rows
 
 
+Q8_PRE_SWEEP = ("1x4x8", "1x4x8x2", "2x4x8", "1x8x8", "1x2x8", "1x4x16", "1x4x16x2", "2x4x16", "1x4x4",
+                "1x4x4x2", "2x4x4", "4x4x32", "2x4x32x2", "1x4x8x3")
+
+
+def q8_table(g, reps: int, rng) -> list[dict]:
+    """The opt-in q8 matvecs (flag mv_q8) at the release shapes, whole calls as the route makes
+    them: the exact kernel for reference, the kernel that quantizes the activations in every
+    threadgroup (``MUSE_MLX_Q8_PRE=0``), and quantize_q8 + mul_mv_q4_K_q8_pre at each geometry
+    of Q8_PRE_SWEEP (NR0xNSGxLPR[xU]); then quantize_q8 alone. Sets the fastest pre geometry
+    (total over the shapes) for the rest of the run."""
+    D, FF, QW, KVW = g.n_embd, g.n_ff, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    q4 = lambda r, k: random_blocks(r, k, T.Q4_K, rng)  # noqa: E731
+    gate, up, down, o = q4(FF, D), q4(FF, D), q4(D, FF), q4(D, QW)
+    qkvg = [(q4(r, D), "q4_K") for r in (QW, KVW, KVW, QW)]
+    shapes = [  # label, K, Q8 call, exact call, bytes
+        (f"ffn_gate+up {FF}x{D} silu", D, lambda y: K.mul_mv_q8(y, [(gate, "q4_K"), (up, "q4_K")], glu="silu"),
+         lambda y: K.mul_mv_glu(y, gate, up, "q4_K", "silu"), gate.nbytes + up.nbytes),
+        (f"ffn_down {D}x{FF}", FF, lambda y: K.mul_mv_q8(y, [(down, "q4_K")]), lambda y: K.mul_mv_q4_K(y, down),
+         down.nbytes),
+        (f"q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", D, lambda y: K.mul_mv_q8(y, qkvg), lambda y: K.mul_mv_multi(y, qkvg),
+         sum(w.nbytes for w, _ in qkvg)),
+        (f"attn_out {D}x{QW}", QW, lambda y: K.mul_mv_q8(y, [(o, "q4_K")]), lambda y: K.mul_mv_q4_K(y, o), o.nbytes),
+    ]
+    rows, total = [], {}
+    for label, width, q8, exact, nbytes in shapes:
+        line = []
+        variants = [("exact", exact, {}), ("q8 per-threadgroup", q8, {"MUSE_MLX_Q8_PRE": "0"})]
+        variants += [(f"pre {geo}", q8, {"MUSE_MLX_Q8_PRE_GEOMETRY": geo}) for geo in Q8_PRE_SWEEP]
+        for name, fn, env in variants:
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            try:
+                t = time_op(fn, reps, width)
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            rows.append(dict(label=label, variant=name, us=t * 1e6, gbps=nbytes / t / 1e9))
+            total[name] = total.get(name, 0.0) + t
+            line.append(f"{name} {t * 1e6:.1f} us {nbytes / t / 1e9:.0f}")
+        log(f"  {label}:\n    " + "\n    ".join(line) + "  (GB/s)")
+    for width in (D, FF):
+        t = time_op(lambda y: K.mul_mv.quantize_q8_rows(y), reps, width)
+        rows.append(dict(label=f"quantize_q8 {width}", variant="alone", us=t * 1e6, gbps=0.0))
+        log(f"  quantize_q8 of {width} values alone: {t * 1e6:.2f} us")
+    best = min((n for n in total if n.startswith("pre ")), key=total.get)
+    os.environ["MUSE_MLX_Q8_PRE_GEOMETRY"] = best[4:]
+    log(f"  q8 totals over the shapes (us): " + ", ".join(f"{n} {v * 1e6:.1f}" for n, v in total.items()))
+    log(f"  fastest pre geometry {best[4:]}, set for this run")
+    rows.append(dict(label="picked", variant=best, us=total[best] * 1e6, gbps=0.0))
+    return rows
+
+
 def pick_geometries(sweep: list[dict]) -> dict:
     """The fastest geometry per block type (total time over the swept shapes), set for this run."""
     picks = {}
@@ -399,9 +451,11 @@ def dispatch_count(model, ctx: int, rng) -> dict:
     return dict(route_ops=sum(ops.values()), graph_primitives=sum(prims.values()), by_op=ops, by_primitive=prims)
 
 
-def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: int | None = None):
+def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: int | None = None,
+                 pipeline: bool = True):
     """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt; ``layer_sync``:
-    evaluate every this many layers (0: one graph; default: the mode's, as generate does)."""
+    evaluate every this many layers (0: one graph; default: the mode's, as generate does);
+    ``pipeline=False``: wait for each group before building the next (route.layer_pipeline)."""
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
     mx.clear_cache()
@@ -409,6 +463,7 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
     with batched_prefill(model.route, mode):
         if layer_sync is not None:
             model.route.layer_sync = layer_sync
+        model.route.layer_pipeline = pipeline
         for run in range(runs + 1):
             cache = model.make_cache()
             model.prepare_decode(cache, n + 8)
@@ -420,6 +475,7 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
             if run:
                 rates.append(n / dt)
             del cache
+    model.route.layer_pipeline = True
     return statistics.median(rates), mx.get_peak_memory()
 
 
@@ -447,10 +503,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-modes", default="batched,batched-f16",
                     help="prefill modes measured on the pinned route without flags (default: %(default)s)")
     ap.add_argument("--prefill-sync-ab", action="store_true",
-                    help="also time each prefill evaluated every 1, 4 and 13 layers and as one graph "
-                         "(besides the mode's default, generate's)")
+                    help="also time each prefill evaluated every 1, 4 and 13 layers and as one graph, and "
+                         "every 1 and 4 layers waiting for each group (besides the mode's default, generate's)")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
-                    help="what to measure, comma-separated, of dispatch, kernels, breakdown, model (default: %(default)s)")
+                    help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "
+                         "q8 matvecs per geometry; sets the fastest) (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
     ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
@@ -489,13 +546,17 @@ def main(argv=None) -> int:
         log(f"tuned geometries: {report['tuned']}")
         mx.clear_cache()
     parts = set(args.parts.split(","))
-    unknown = parts - {"dispatch", "kernels", "breakdown", "model"}
+    unknown = parts - {"dispatch", "kernels", "breakdown", "model", "q8"}
     if unknown:
         ap.error(f"unknown part(s) {', '.join(sorted(unknown))} in --parts")
     if K.backend() != "cpu" and "dispatch" in parts:
         report["dispatch_cost_s"] = dispatch_cost()
         log("dispatch cost per op in a dependent chain: " +
             ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in report["dispatch_cost_s"].items()))
+    if "q8" in parts:
+        log("the opt-in q8 matvecs (flag mv_q8), per kernel and geometry:")
+        report["q8"] = q8_table(g, args.kernel_reps, rng)
+        mx.clear_cache()
     if "kernels" in parts:
         log("per-kernel timings (one token):")
         report["kernels"] = kernel_table(g, vocab, args.kernel_reps, rng)
@@ -559,11 +620,15 @@ def main(argv=None) -> int:
             if args.prefill and (not flags or flags == ("tail_32sg",)):
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
                 entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
-                syncs = (None, 1, 4, 13, 0) if args.prefill_sync_ab and model.route.batches_prefill else (None,)
+                syncs = [(None, True)]
+                if args.prefill_sync_ab and model.route.batches_prefill:
+                    syncs += [(1, True), (1, False), (4, True), (4, False), (13, True), (0, True)]
                 for mode in modes:
-                    for sync in syncs:
+                    for sync, pipeline in syncs:
                         key = mode + ("" if sync is None else f" (eval every {sync} layers)" if sync else " (one graph)")
-                        rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync)
+                        key += "" if pipeline else " (waiting for each)"
+                        rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync,
+                                                  pipeline)
                         entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak
                         log(f"    prefill {args.prefill} ({key}): {rate:.0f} tok/s, peak memory "
                             f"{peak / 1e9:.1f} GB = {peak / file_bytes:.2f} x file")

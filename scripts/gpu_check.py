@@ -20,7 +20,9 @@ what the oracles (which model the CUDA prelude) assume; see docs/gpu-exactness.m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
 import time
@@ -87,6 +89,20 @@ def gpu(fn, *args, **kw):
     out = fn(*args, which=WHICH, **kw)
     mx.eval(out)
     return out
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    """``os.environ[name] = value`` for the duration (a kernel reads its geometry when called)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
 
 
 def randn(rng, *shape, scale=1.0):
@@ -267,34 +283,57 @@ def check_decode_kernels(rng, quick):
 
 
 def check_q8(rng, quick):
-    """The opt-in int8-activation kernel (flag mv_q8) against its oracle (exact integer dots, then
-    its float order; Q6_K rows through the exact lanes), on every Q4_K matrix shape of the release
-    geometry: random valid blocks (written in seconds, where quantizing takes minutes)."""
+    """The opt-in int8-activation kernels (flag mv_q8) against their oracle (exact integer dots, then
+    their float order; Q6_K rows through the exact lanes), on every Q4_K matrix shape of the release
+    geometry: random valid blocks (written in seconds, where quantizing takes minutes). All-Q4_K calls
+    take quantize_q8 + mul_mv_q4_K_q8_pre, whose lanes per row (LPR) fix the bits: checked at the
+    default geometry and at others (LPR 32 must give the per-threadgroup kernel's bits); a mix with
+    Q6_K takes mul_mv_q4_K_q8_multi."""
     D, ff = (6656, 19968) if not quick else (512, 768)  # (768: an odd number of blocks per row)
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h = randn(rng, 1, D), randn(rng, 1, ff)
     some = lambda n: mx.array(np.unique(np.r_[0:64, np.linspace(0, n - 1, 64).astype(int)]))  # noqa: E731
-    q8_or_exact = lambda k: mul_mv.mul_mv_q4_K_q8_oracle if k == "q4_K" else mul_mv.ORACLES[k]  # noqa: E731
+    lanes = mul_mv.q8_pre_geometry(WHICH)[2]
+    oracle = lambda y, w, n=lanes: mul_mv.mul_mv_q4_K_q8_oracle(y, w, n)  # noqa: E731
+    geo = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
+
+    qy, ds = gpu(mul_mv.quantize_q8_rows, h)
+    want_qy, want_ds = mul_mv.quantize_q8_rows(h, which="cpu")
+    compare("quantize_q8 (opt-in mv_q8) d, sum q", f"{ff}", ds, want_ds)
+    compare("quantize_q8 (opt-in mv_q8) int8 words", f"{ff}", mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
     wq, wq2 = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     sel = some(ff)
     got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
-    compare("mul_mv_q4_K_q8 (opt-in mv_q8)", f"{ff}x{D}", got[..., sel], mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]),
+    compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{ff}x{D} at {geo}", got[..., sel], oracle(x, wq[sel]),
             note=f"{sel.size} rows")
     got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
-    want = ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(x, wq[sel]), mul_mv.mul_mv_q4_K_q8_oracle(x, wq2[sel]),
-                           exp=probe("exp"))
-    compare("mul_mv_q4_K_q8 glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
+    want = ffn.silu_oracle(oracle(x, wq[sel]), oracle(x, wq2[sel]), exp=probe("exp"))
+    compare("mul_mv_q4_K_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {geo}", got[..., sel], want, note="device exp")
+    for other in ("2x4x8x2", "1x4x16", "4x4x32", "1x4x4x3"):  # other geometries: their LPR's bits
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", other):
+            got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
+        n = int(other.split("x")[2])
+        want = ffn.silu_oracle(oracle(x, wq[sel], n), oracle(x, wq2[sel], n), exp=probe("exp"))
+        compare("mul_mv_q4_K_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {other}", got[..., sel], want,
+                note="device exp")
+    with env("MUSE_MLX_Q8_PRE", "0"):  # the per-threadgroup kernel: 32 lanes per row
+        got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
+    want = ffn.silu_oracle(oracle(x, wq[sel], 32), oracle(x, wq2[sel], 32), exp=probe("exp"))
+    compare("mul_mv_q4_K_q8_multi glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
     for rows, k in ((D, ff), (D, qw)):  # ffn_down, attn_output
         w, sel = random_blocks(rows, k, T.Q4_K, rng), some(rows)
         y = h if k == ff else randn(rng, 1, k)
         got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
-        compare("mul_mv_q4_K_q8 (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], mul_mv.mul_mv_q4_K_q8_oracle(y, w[sel]),
+        compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {geo}", got[..., sel], oracle(y, w[sel]),
                 note=f"{sel.size} rows")
-    ws = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
-          (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
+    q4 = [random_blocks(r, D, T.Q4_K, rng) for r in (qw, kvw, kvw, qw)]
+    got = gpu(K.mul_mv_q8, x, [(w, "q4_K") for w in q4])
+    compare("mul_mv_q4_K_q8_pre multi (opt-in mv_q8)", f"q,k,v,gate x {D} at {geo}", got,
+            mx.concatenate([oracle(x, w) for w in q4], -1))
+    ws = [(q4[0], "q4_K"), (q4[1], "q4_K"), (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (q4[3], "q4_K")]
     got = gpu(K.mul_mv_q8, x, ws)
-    want = mx.concatenate([q8_or_exact(k)(x, w) for w, k in ws], -1)
-    compare("mul_mv_q4_K_q8 multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
+    want = mx.concatenate([oracle(x, w, 32) if k == "q4_K" else mul_mv.ORACLES[k](x, w) for w, k in ws], -1)
+    compare("mul_mv_q4_K_q8_multi multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
 
 
 def check_stock_q6k(rng, quick):

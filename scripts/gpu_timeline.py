@@ -1,12 +1,17 @@
 """Where a decoded token's time goes on an NVIDIA GPU: every kernel's start and end, from CUPTI.
 
     python scripts/gpu_timeline.py --file PATH [--route pinned] [--flags mv_q8] [--ctx 128] [--tokens 8]
+                                   [--prefill 512 [--prefill-mode batched] [--prefill-wait-ab]]
 
 Decodes ``--tokens`` tokens of a checkpoint FILE (made if missing: the release geometry, as
 ``bench.py`` makes it) the way ``bench.py`` and ``generate`` do (compiled ``DecodeStep``,
 pipelined with ``mx.async_eval``), with CUPTI's activity API recording what the GPU ran. It
 prints, per token: the span on the GPU, the time inside kernels, the gaps between them, and
 per kernel the count, the mean and the total; ``--json`` writes the records too.
+
+``--prefill N`` traces one prefill of N tokens first (``--prefill-mode``, as ``generate`` runs it;
+``--prefill-wait-ab`` also with each group of layers waited for before the next is built), its
+figures per whole prefill; ``--ctx ""`` then skips the decode.
 
 Timings in ``bench.py`` replay an op alone; this shows the ops as they run together, with the
 idle time between them that no per-kernel table can show.
@@ -21,6 +26,7 @@ The records are read with ctypes, at the offsets of ``CUpti_ActivityKernel10`` (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import ctypes.util
 import glob
@@ -204,21 +210,23 @@ def summarize(records: list[dict], tokens: int) -> dict:
     )
 
 
-def print_summary(s: dict, label: str) -> None:
-    print(f"\n{label}: {s['records']} GPU records over {s['tokens']} tokens")
-    print(f"  per token: span {s['span_ms_per_token']:.3f} ms = {1e3 / s['span_ms_per_token']:.1f} tok/s; "
+def print_summary(s: dict, label: str, unit: str = "token") -> None:
+    """``unit``: what one of ``s['tokens']`` is ("prefill": the figures are per whole prefill)."""
+    print(f"\n{label}: {s['records']} GPU records over {s['tokens']} {unit}s")
+    rate = f"{1e3 / s['span_ms_per_token']:.1f} tok/s" if unit == "token" else f"{1e3 / s['span_ms_per_token']:.2f} per s"
+    print(f"  per {unit}: span {s['span_ms_per_token']:.3f} ms = {rate}; "
           f"in kernels {s['busy_ms_per_token']:.3f} ms; idle between them {s['gap_ms_per_token']:.3f} ms "
           f"(median gap {s['median_gap_us']:.2f} us; {s['gaps_over_20us']} gaps > 20 us, "
           f"{s['gaps_over_20us_ms_per_token']:.3f} ms/token)")
-    print(f"  {'kernel':44s} {'per token':>9s} {'mean us':>9s} {'ms/token':>9s} {'gap before, ms/token':>21s}")
+    print(f"  {'kernel':44s} {'per ' + unit:>9s} {'mean us':>9s} {'ms/' + unit:>9s} {'gap before, ms/' + unit:>21s}")
     small = [e for e in s["by_name"] if e["ms_per_token"] < 0.01]
     for e in s["by_name"]:
         if e not in small:
             print(f"  {e['name'][:44]:44s} {e['per_token']:9.2f} {e['mean_us']:9.2f} {e['ms_per_token']:9.3f} "
                   f"{e['gap_ms_per_token']:21.3f}")
     if small:
-        print(f"  ({len(small)} more kinds under 0.01 ms per token: {sum(e['ms_per_token'] for e in small):.3f} ms "
-              f"per token together)")
+        print(f"  ({len(small)} more kinds under 0.01 ms per {unit}: {sum(e['ms_per_token'] for e in small):.3f} ms "
+              f"per {unit} together)")
 
 
 def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, library: str | None):
@@ -240,6 +248,33 @@ def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, libr
         decode_tokens(step, y, tokens)
         mx.synchronize()
         wall = time.perf_counter() - t0
+    return tl.records, wall
+
+
+def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None):
+    """Records of one ``n``-token prefill in ``mode`` (a warm-up prefill first), as generate runs it;
+    ``pipeline=False``: each group of layers waited for before the next is built."""
+    import mlx.core as mx
+    import numpy as np
+    from muse_mlx.generate import batched_prefill
+
+    prompt = mx.array(np.random.default_rng(0).integers(0, model.cfg.vocab_size, n))[None]
+    with batched_prefill(model.route, mode):
+        model.route.layer_pipeline = pipeline
+        try:
+            for record in (False, True):
+                cache = model.make_cache()
+                model.prepare_decode(cache, n + 8)
+                mx.eval([c.kv for c in cache])
+                mx.synchronize()
+                with KernelTimeline(library) if record else contextlib.nullcontext() as tl:
+                    t0 = time.perf_counter()
+                    mx.eval(model(prompt, cache, last_only=True), [c.kv for c in cache])
+                    mx.synchronize()
+                    wall = time.perf_counter() - t0
+                del cache
+        finally:
+            model.route.layer_pipeline = True
     return tl.records, wall
 
 
@@ -265,12 +300,16 @@ def main(argv=None) -> int:
     ap.add_argument("--route", default="pinned", help="route to load (default: %(default)s)")
     ap.add_argument("--flags", default="", help="comma-separated flag sets, '+' inside one, an empty set is no "
                     "flags: ',mv_q8' traces both (default: no flags)")
-    ap.add_argument("--ctx", default="128", help="comma-separated contexts (default: %(default)s)")
+    ap.add_argument("--ctx", default="128", help="comma-separated contexts; empty: no decode (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=8, help="tokens recorded per case (default: %(default)s)")
     ap.add_argument("--warmup", type=int, default=4, help="tokens decoded before recording (default: %(default)s)")
     ap.add_argument("--not-compiled", action="store_true", help="run the decode step without mx.compile")
     ap.add_argument("--geometries", default="", help="comma-separated matvec geometries to trace, each Q4K/Q6K as "
                     "NR0xNSG[xU] (e.g. 2x2x2/4x4x2), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
+    ap.add_argument("--prefill", type=int, default=0, help="also trace one prefill of this many tokens (default: none)")
+    ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
+    ap.add_argument("--prefill-wait-ab", action="store_true",
+                    help="trace each prefill also waiting for each group of layers before building the next")
     ap.add_argument("--cupti", default=None, help="path of libcupti.so (default: MUSE_MLX_CUPTI or a search)")
     ap.add_argument("--json", default=None, help="write the summaries and raw records to this file")
     args = ap.parse_args(argv)
@@ -304,8 +343,25 @@ def main(argv=None) -> int:
             print(f"--geometries: {'/'.join(g)!r} is not Q4K/Q6K", file=sys.stderr)
             return 2
     model = load_model(path, args.route, progress=False)
+    if args.prefill:
+        for mode in args.prefill_mode.split(","):
+            for pipeline in (True, False) if args.prefill_wait_ab else (True,):
+                records, wall = trace_prefill(model, args.prefill, mode, pipeline, args.cupti)
+                label = (f"{args.route}, one prefill of {args.prefill} tokens ({mode}"
+                         + ("" if pipeline else ", waiting for each group of layers") + ")")
+                s = summarize(records, 1)
+                s["wall_ms"] = wall * 1e3
+                print_summary(s, label, unit="prefill")
+                print(f"  host wall clock: {wall * 1e3:.1f} ms = {args.prefill / wall:.0f} tok/s")
+                out["cases"].append(dict(label=label, route=args.route, prefill=args.prefill, mode=mode,
+                                         pipeline=pipeline, summary=s, records=records))
+                mx.clear_cache()
+        if not args.ctx:
+            if args.json:
+                Path(args.json).write_text(json.dumps(out))
+            return 0
     cases = [(flags, g, ctx) for flags in dict.fromkeys(flag_sets) for g in geometries
-             for ctx in (int(c) for c in args.ctx.split(","))]
+             for ctx in (int(c) for c in args.ctx.split(",") if c)]
     for flags, g, ctx in cases:
         model.route.flags = frozenset(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them

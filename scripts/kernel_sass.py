@@ -15,8 +15,9 @@ iteration and, for the matvecs, per weight one lane handles in one iteration.
 
 Record mode would pick Metal's/ggml's geometry ("tuned" has no "record" entry), so the calls here
 pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_MV_GEOMETRY_Q6K`` and
-``MUSE_MLX_Q8_GEOMETRY`` override it as they do in the engine, and so do --geometry,
---geometry-q6k and --q8-geometry (comma-separated lists give one line each).
+``MUSE_MLX_Q8_GEOMETRY`` and ``MUSE_MLX_Q8_PRE_GEOMETRY`` override it as they do in the engine, and so
+do --geometry, --geometry-q6k, --q8-geometry and --q8-pre-geometry (comma-separated lists give one
+line each).
 
 Compilers (``--compiler``): ``nvcc`` (default; ``nvcc -cubin -Xptxas -v``) or ``nvrtc`` (the
 library MLX itself calls, through ctypes, with MLX's options). Neither needs a GPU. Install
@@ -357,7 +358,7 @@ def geo(g: tuple) -> str:
 
 
 def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], everything: bool,
-                 q4_single: list[str] | None = None):
+                 q4_single: list[str] | None = None, q8_pre_geoms: list[str] = ()):
     """(label, recorded call) for each release launch, once per geometry."""
     out = []
 
@@ -381,11 +382,15 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
         rec(f"ffn_gate+up q6_K {FF}x{D} silu", K.mul_mv_glu, y_d, q6(FF, D), q6(FF, D), "q6_K", "silu", geometry=g)
-    for g in q8_geoms:
+    for g in q8_geoms:  # a mix with Q6_K: the kernel that quantizes per threadgroup
         with env("MUSE_MLX_Q8_GEOMETRY", g):
-            rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
+    for g in q8_pre_geoms:  # all Q4_K: activations quantized once, then mul_mv_q4_K_q8_pre
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g):
+            rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
+            rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", K.mul_mv_q8, y_d,
+                [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_gate+up {FF}x{D} silu", K.mul_mv_q8, y_d, [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")],
                 glu="silu")
     if everything:
@@ -512,6 +517,8 @@ def main(argv=None) -> int:
     ap.add_argument("--geometry", help="Q4_K geometries NR0xNSG[xU], comma-separated (default: CUDA tuned)")
     ap.add_argument("--geometry-q6k", help="Q6_K geometries, comma-separated (default: CUDA tuned)")
     ap.add_argument("--q8-geometry", help="q8 kernel geometries NR0xNSG, comma-separated (default: CUDA's)")
+    ap.add_argument("--q8-pre-geometry", help="mul_mv_q4_K_q8_pre geometries NR0xNSGxLPR, comma-separated "
+                                              "(default: CUDA's)")
     ap.add_argument("--sweep", action="store_true", help=f"Q4_K geometries {','.join(SWEEP)}")
     ap.add_argument("--matvec-only", action="store_true", help="skip the norm, elementwise and attention kernels")
     ap.add_argument("--sass", action="store_true", help="print the SASS of each selected kernel")
@@ -532,7 +539,8 @@ def main(argv=None) -> int:
     q4_single = [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K single"))] if tuned_geometries else None
     q6 = a.geometry_q6k.split(",") if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K"))]
     q8 = a.q8_geometry.split(",") if a.q8_geometry else [geo(mul_mv._q8_geometry("cuda"))]
-    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single))
+    q8_pre = a.q8_pre_geometry.split(",") if a.q8_pre_geometry else [geo(mul_mv.q8_pre_geometry("cuda"))]
+    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single, q8_pre))
     if not a.matvec_only:
         missing = {k.name for k in K.ALL_KERNELS} - {c["kernel"].name for _, c in calls}
         if missing:

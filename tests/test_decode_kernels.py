@@ -213,18 +213,81 @@ def test_q8_quantization_rounds_half_away_from_zero():
     assert np.array(q)[0, 0, :5].tolist() == [127, 64, -64, 1, -1] and int(s[0, 0]) == 127
 
 
+def test_q8_oracle_lanes_change_only_the_order():
+    """Fewer lanes per row add the same sub-block terms in another order: within float32 rounding
+    of the 32-lane oracle, and (a different order) not always the same bits."""
+    w, y = qrows(64, 2048, "q4_K"), arr(1, 2048)
+    ref = np.array(mul_mv.mul_mv_q4_K_q8_oracle(y, w), np.float64)
+    for lanes in (4, 8, 16):
+        got = np.array(mul_mv.mul_mv_q4_K_q8_oracle(y, w, lanes), np.float64)
+        assert np.allclose(got, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+        assert (got != ref).any()
+
+
+def test_q8_rows_layout_is_the_quantization():
+    """quantize_q8_rows's words and pairs hold quantize_q8's q, d and sum q."""
+    y = arr(3, 256)
+    qy, ds = mul_mv.quantize_q8_rows(y, which="cpu")
+    q, d, s = mul_mv.quantize_q8(y)
+    assert np.array_equal(np.array(qy).view(np.int8).reshape(3, 8, 32), np.array(q).astype(np.int8))
+    pairs = np.array(ds).reshape(3, 8, 2)
+    assert_bits_equal(pairs[..., 0], np.array(d))
+    assert_bits_equal(pairs[..., 1], np.array(s, F32))
+
+
 @emulator
 @pytest.mark.parametrize("rows,k,t", [(37, 768, 2), (16, 256, 1)])
-def test_q8_kernel(rows, k, t):
+def test_q8_kernel(rows, k, t, monkeypatch):
+    """A mix with Q6_K: the kernel that quantizes per threadgroup (32 lanes per row)."""
     y = arr(t, k)
     a, b, c = qrows(rows, k, "q4_K"), qrows(8, k, "q6_K"), qrows(rows, k, "q4_K")
     got = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q6_K"), (c, "q4_K")])
     want = mx.concatenate([mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.ORACLES["q6_K"](y, b),
                            mul_mv.mul_mv_q4_K_q8_oracle(y, c)], axis=-1)
     assert_bits_equal(got, want)
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")  # all Q4_K, through the same kernel
     glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")], glu="silu")
     assert_bits_equal(glu, ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.mul_mv_q4_K_q8_oracle(y, c),
                                            exp=libm("expf")))
+
+
+@emulator
+def test_q8_quantize_kernel():
+    y = arr(3, 768)
+    y = mx.concatenate([y[:, :736], mx.zeros((3, 32))], axis=-1)  # a group of zeros: d = 0
+    qy, ds = emulate_recorded(mul_mv.quantize_q8_rows, y)
+    want_qy, want_ds = mul_mv.quantize_q8_rows(y, which="cpu")
+    assert np.array_equal(np.array(qy), np.array(want_qy))
+    assert_bits_equal(ds, want_ds)
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["1x4x8", "2x2x4x2", "1x2x16x3", "2x4x32", "3x1x8x4"])
+def test_q8_pre_kernel(geometry, monkeypatch):
+    """All Q4_K: the activations quantized once, then mul_mv_q4_K_q8_pre; its lanes per row (LPR,
+    the third number) fix the bits, the other numbers only the speed. Rows not a multiple of a
+    SIMD group's, and row lengths of 1, 3 and 8 blocks (runs not a multiple of the lanes)."""
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
+    lanes = int(geometry.split("x")[2])
+    oracle = lambda y, w: mul_mv.mul_mv_q4_K_q8_oracle(y, w, lanes)  # noqa: E731
+    for rows, k, t in [(37, 768, 2), (16, 256, 1), (5, 2048, 1)]:
+        y = arr(t, k)
+        a, c, d = qrows(rows, k, "q4_K"), qrows(rows + 3, k, "q4_K"), qrows(rows, k, "q4_K")
+        got = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")])
+        assert_bits_equal(got, mx.concatenate([oracle(y, a), oracle(y, c)], axis=-1))
+        glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (d, "q4_K")], glu="gelu_tanh")
+        assert_bits_equal(glu, ffn.gelu_oracle(oracle(y, a), oracle(y, d), tanh=libm("tanhf")))
+        # and on the CPU the route computes that same oracle
+        assert_bits_equal(K.mul_mv_q8(y, [(a, "q4_K"), (c, "q4_K")], which="cpu"), got)
+
+
+@emulator
+def test_q8_pre_kernel_at_32_lanes_is_the_per_threadgroup_kernel(monkeypatch):
+    y, a, b = arr(1, 1024), qrows(40, 1024, "q4_K"), qrows(40, 1024, "q4_K")
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "2x4x32")
+    pre = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q4_K")], glu="silu")
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")
+    assert_bits_equal(pre, emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q4_K")], glu="silu"))
 
 
 # -- Q/K-norms, RoPE and the f16 K/V in one dispatch -------------------------------------------

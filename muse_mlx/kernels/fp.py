@@ -51,12 +51,15 @@ def dot4(a: mx.array, b: mx.array) -> mx.array:
         return acc
 
 
-def simd_sum(v: mx.array) -> mx.array:
-    """The prelude's ``simd_sum`` of the last axis (32 lanes), returned as one value per group."""
+def simd_sum(v: mx.array, width: int = LANES) -> mx.array:
+    """The prelude's ``simd_sum`` of the last axis (32 lanes), returned as one value per group;
+    ``width`` lanes: the same butterfly over a group of that many (offsets width/2, ..., 1)."""
     with mx.stream(CPU):
-        lanes = mx.arange(LANES, dtype=mx.uint32)
-        for off in (16, 8, 4, 2, 1):
+        lanes = mx.arange(width, dtype=mx.uint32)
+        off = width // 2
+        while off:
             v = v + v[..., lanes ^ off]
+            off //= 2
         return v[..., 0]
 
 

@@ -300,6 +300,75 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     }
 }
 
+// -- the opt-in int8-activation (q8) matvecs: NOT exact (flag mv_q8) --
+
+// One group of 32 activations -> int8 as llama.cpp's CUDA quantize_q8_1: d = max|y|/127,
+// q = round(y/d) (half away from zero), packed four to a word (little-endian), and sum q
+// (exact: |sum| <= 32*127). One thread per group, no shuffles.
+MUSE_FN void q8_group(device const float* src, thread int4& lo, thread int4& hi, thread float& d,
+                      thread int& sum) {
+    device const float4* v4 = (device const float4*)src;
+    float4 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = v4[i];
+    float amax = 0.0f;
+    for (int i = 0; i < 8; ++i)
+        for (int e = 0; e < 4; ++e) amax = max(amax, fabs(v[i][e]));
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    sum = 0;
+    uint word[8];  // values 4i .. 4i+3
+    for (int i = 0; i < 8; ++i) {
+        word[i] = 0u;
+        for (int e = 0; e < 4; ++e) {
+            const int q = int(round(v[i][e] * id));
+            sum += q;
+            word[i] |= (uint(q) & 0xFFu) << (8u * uint(e));
+        }
+    }
+    lo.x = int(word[0]); lo.y = int(word[1]); lo.z = int(word[2]); lo.w = int(word[3]);
+    hi.x = int(word[4]); hi.y = int(word[5]); hi.z = int(word[6]); hi.w = int(word[7]);
+}
+
+// One Q4_K run (the 32 quant bytes of sub-blocks 2tq, 2tq+1 of a block, read as qa, qb after
+// the block's 16-byte header hd) against int8 activations y0..y3 (values 64tq .. 64tq+63 of
+// the block) with group scales dy0/dy1 and sums sy0/sy1: an exact integer dot per sub-block,
+// then sumf += d*sc * (dy*sumi) - dmin*m * (dy*sum q), sub-block 2tq first.
+MUSE_FN float q4K_q8_run(uint4 hd, uint4 qa, uint4 qb, uint tq, int4 y0, int4 y1, int4 y2, int4 y3,
+                         float dy0, float sy0, float dy1, float sy1, float sumf) {
+    // get_scale_min_k4 for sub-blocks j = 2tq, 2tq+1 (bytes 8*(j%4) of the strip words)
+    const uint sh = 8u * ((2u * tq) % 4u);
+    const uint a0 = hd.y >> sh, a1 = hd.y >> (sh + 8);
+    const uint m0w = hd.z >> sh, m1w = hd.z >> (sh + 8);
+    const uint h0 = hd.w >> sh, h1 = hd.w >> (sh + 8);
+    const bool low = tq < 2;
+    const uint sc0 = low ? (a0 & 63u) : ((h0 & 0xFu) | (((a0 >> 6) & 3u) << 4));
+    const uint sc1 = low ? (a1 & 63u) : ((h1 & 0xFu) | (((a1 >> 6) & 3u) << 4));
+    const uint mn0 = low ? (m0w & 63u) : (((h0 >> 4) & 0xFu) | (((m0w >> 6) & 3u) << 4));
+    const uint mn1 = low ? (m1w & 63u) : (((h1 >> 4) & 0xFu) | (((m1w >> 6) & 3u) << 4));
+    int s0 = 0, s1 = 0;
+    s0 = dot4_i8(qa.x & 0x0F0F0F0Fu, y0.x, s0); s1 = dot4_i8((qa.x >> 4) & 0x0F0F0F0Fu, y2.x, s1);
+    s0 = dot4_i8(qa.y & 0x0F0F0F0Fu, y0.y, s0); s1 = dot4_i8((qa.y >> 4) & 0x0F0F0F0Fu, y2.y, s1);
+    s0 = dot4_i8(qa.z & 0x0F0F0F0Fu, y0.z, s0); s1 = dot4_i8((qa.z >> 4) & 0x0F0F0F0Fu, y2.z, s1);
+    s0 = dot4_i8(qa.w & 0x0F0F0F0Fu, y0.w, s0); s1 = dot4_i8((qa.w >> 4) & 0x0F0F0F0Fu, y2.w, s1);
+    s0 = dot4_i8(qb.x & 0x0F0F0F0Fu, y1.x, s0); s1 = dot4_i8((qb.x >> 4) & 0x0F0F0F0Fu, y3.x, s1);
+    s0 = dot4_i8(qb.y & 0x0F0F0F0Fu, y1.y, s0); s1 = dot4_i8((qb.y >> 4) & 0x0F0F0F0Fu, y3.y, s1);
+    s0 = dot4_i8(qb.z & 0x0F0F0F0Fu, y1.z, s0); s1 = dot4_i8((qb.z >> 4) & 0x0F0F0F0Fu, y3.z, s1);
+    s0 = dot4_i8(qb.w & 0x0F0F0F0Fu, y1.w, s0); s1 = dot4_i8((qb.w >> 4) & 0x0F0F0F0Fu, y3.w, s1);
+    const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
+    const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
+    sumf += fma(d * float(sc0), dy0 * float(s0), -((dmin * float(mn0)) * (dy0 * sy0)));
+    sumf += fma(d * float(sc1), dy1 * float(s1), -((dmin * float(mn1)) * (dy1 * sy1)));
+    return sumf;
+}
+
+// The xor butterfly over each aligned group of W lanes (offsets W/2, ..., 1): simd_sum's order
+// within the group (W = 32 is simd_sum), every lane of a group ending with the group's total.
+template <int W>
+MUSE_FN float lane_group_sum(float v) {
+    for (uint off = W / 2; off > 0; off >>= 1) v += simd_shuffle_xor(v, off);
+    return v;
+}
+
 // ==== kernel: mul_mv_q4_K_f32
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
@@ -440,14 +509,13 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 
 // ==== kernel: mul_mv_q4_K_q8_multi
 // OPT-IN, NOT EXACT (pinned flag mv_q8): the activations are quantized to int8 per 32 values
-// (d = max|y|/127, q = round(y/d), as llama.cpp's CUDA quantize_q8_1 does) and every Q4_K
-// sub-block's dot product is an exact integer one (dp4a), scaled once:
-//   d*sc * (dy * sum(n*q)) - dmin*m * (dy * sum(q))
-// Lane l of a SIMD group takes the 32-byte quant runs p = l, l+32, ... of its rows (run p =
-// block p/4, sub-blocks 2(p%4) and 2(p%4)+1); each threadgroup quantizes y into threadgroup
-// memory first, one thread per group of 32. Up to four matrices as mul_mv_multi_f32 (Y 0 Q4_K
-// through q8, 1 Q6_K through the exact kernel's lanes), or (GLU 1) gate and up rows with the
-// activation ACT applied.
+// (q8_group, as llama.cpp's CUDA quantize_q8_1 does) and every Q4_K sub-block's dot product is
+// an exact integer one (dp4a), scaled once (q4K_q8_run). Lane l of a SIMD group takes the
+// 32-byte quant runs p = l, l+32, ... of its rows (run p = block p/4, sub-blocks 2(p%4) and
+// 2(p%4)+1); each threadgroup quantizes y into threadgroup memory first, one thread per group
+// of 32. Up to four matrices as mul_mv_multi_f32 (Y 0 Q4_K through q8, 1 Q6_K through the
+// exact kernel's lanes), or (GLU 1) gate and up rows with the activation ACT applied.
+// Matrices that are all Q4_K take mul_mv_q4_K_q8_pre instead (activations quantized once).
 // inputs: w0..w3, y [T, K]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -457,29 +525,11 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
     threadgroup int4 qw[K / 16];    // the int8 activations, sixteen to an int4
     threadgroup float qd[K / 32];   // each group's scale d
     threadgroup int qs[K / 32];     // each group's sum of q
-    // one thread per group of 32 (no shuffles: a group is one thread's loads, max and packing)
     for (uint g = sgitg * 32 + tiisg; g < K / 32; g += 32 * NSG) {
-        device const float4* v4 = (device const float4*)(yt + 32 * g);
-        float4 v[8];
-        for (int i = 0; i < 8; ++i) v[i] = v4[i];
-        float amax = 0.0f;
-        for (int i = 0; i < 8; ++i)
-            for (int e = 0; e < 4; ++e) amax = max(amax, fabs(v[i][e]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;  // exact: |sum| <= 32*127
-        uint word[8];  // values 4i .. 4i+3, little-endian
-        for (int i = 0; i < 8; ++i) {
-            word[i] = 0u;
-            for (int e = 0; e < 4; ++e) {
-                const int q = int(round(v[i][e] * id));
-                sum += q;
-                word[i] |= (uint(q) & 0xFFu) << (8u * uint(e));
-            }
-        }
         int4 lo, hi;
-        lo.x = int(word[0]); lo.y = int(word[1]); lo.z = int(word[2]); lo.w = int(word[3]);
-        hi.x = int(word[4]); hi.y = int(word[5]); hi.z = int(word[6]); hi.w = int(word[7]);
+        float d;
+        int sum;
+        q8_group(yt + 32 * g, lo, hi, d, sum);
         qw[2 * g] = lo;
         qw[2 * g + 1] = hi;
         qd[g] = d;
@@ -520,7 +570,6 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
             sumf[r] = 0.0f;
         }
         const uint tq = tiisg % 4;  // the lane's run within a block: sub-blocks 2tq, 2tq+1
-        const uint sh = 8u * ((2u * tq) % 4u);
         for (uint p = tiisg; p < nb * 4; p += 32) {
             const uint b = p / 4;
             const uint yq = 16 * b + 4 * tq;  // values 256b + 64tq .. +63
@@ -535,31 +584,8 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
                 qar[r] = *(device const uint4*)(blk + 16 + 32 * tq);
                 qbr[r] = *(device const uint4*)(blk + 32 + 32 * tq);
             }
-            for (int r = 0; r < (GLU == 1 ? 2 : 1) * NR0; ++r) {
-                const uint4 hd = hdr[r], qa = qar[r], qb = qbr[r];
-                // get_scale_min_k4 for sub-blocks j = 2tq, 2tq+1 (bytes 8*(j%4) of the strip words)
-                const uint a0 = hd.y >> sh, a1 = hd.y >> (sh + 8);
-                const uint m0w = hd.z >> sh, m1w = hd.z >> (sh + 8);
-                const uint h0 = hd.w >> sh, h1 = hd.w >> (sh + 8);
-                const bool low = tq < 2;
-                const uint sc0 = low ? (a0 & 63u) : ((h0 & 0xFu) | (((a0 >> 6) & 3u) << 4));
-                const uint sc1 = low ? (a1 & 63u) : ((h1 & 0xFu) | (((a1 >> 6) & 3u) << 4));
-                const uint mn0 = low ? (m0w & 63u) : (((h0 >> 4) & 0xFu) | (((m0w >> 6) & 3u) << 4));
-                const uint mn1 = low ? (m1w & 63u) : (((h1 >> 4) & 0xFu) | (((m1w >> 6) & 3u) << 4));
-                int s0 = 0, s1 = 0;
-                s0 = dot4_i8(qa.x & 0x0F0F0F0Fu, y0.x, s0); s1 = dot4_i8((qa.x >> 4) & 0x0F0F0F0Fu, y2.x, s1);
-                s0 = dot4_i8(qa.y & 0x0F0F0F0Fu, y0.y, s0); s1 = dot4_i8((qa.y >> 4) & 0x0F0F0F0Fu, y2.y, s1);
-                s0 = dot4_i8(qa.z & 0x0F0F0F0Fu, y0.z, s0); s1 = dot4_i8((qa.z >> 4) & 0x0F0F0F0Fu, y2.z, s1);
-                s0 = dot4_i8(qa.w & 0x0F0F0F0Fu, y0.w, s0); s1 = dot4_i8((qa.w >> 4) & 0x0F0F0F0Fu, y2.w, s1);
-                s0 = dot4_i8(qb.x & 0x0F0F0F0Fu, y1.x, s0); s1 = dot4_i8((qb.x >> 4) & 0x0F0F0F0Fu, y3.x, s1);
-                s0 = dot4_i8(qb.y & 0x0F0F0F0Fu, y1.y, s0); s1 = dot4_i8((qb.y >> 4) & 0x0F0F0F0Fu, y3.y, s1);
-                s0 = dot4_i8(qb.z & 0x0F0F0F0Fu, y1.z, s0); s1 = dot4_i8((qb.z >> 4) & 0x0F0F0F0Fu, y3.z, s1);
-                s0 = dot4_i8(qb.w & 0x0F0F0F0Fu, y1.w, s0); s1 = dot4_i8((qb.w >> 4) & 0x0F0F0F0Fu, y3.w, s1);
-                const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
-                const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
-                sumf[r] += fma(d * float(sc0), dy0 * float(s0), -((dmin * float(mn0)) * (dy0 * sy0)));
-                sumf[r] += fma(d * float(sc1), dy1 * float(s1), -((dmin * float(mn1)) * (dy1 * sy1)));
-            }
+            for (int r = 0; r < (GLU == 1 ? 2 : 1) * NR0; ++r)
+                sumf[r] = q4K_q8_run(hdr[r], qar[r], qbr[r], tq, y0, y1, y2, y3, dy0, sy0, dy1, sy1, sumf[r]);
         }
     }
     if (GLU == 1) {
@@ -573,5 +599,109 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
         for (int r = 0; r < NR0; ++r) {
             const float total = simd_sum(sumf[r]);
             if (tiisg == 0 && first_row + r < rows) dst[(ulong)t * total_rows + out0 + first_row + r] = total;
+        }
+    }
+
+// ==== kernel: quantize_q8
+// OPT-IN, NOT EXACT (flag mv_q8): activations -> int8 per group of 32 (q8_group), written once
+// to device memory for mul_mv_q4_K_q8_pre, where mul_mv_q4_K_q8_multi has every threadgroup
+// quantize them again. One thread per group.
+// inputs: y [T, K]; outputs: qy [T, K/4] (four int8 to a word), ds [T, K/16] (per group: d, float(sum q))
+// templates GROUPS (T*K/32); grid (GROUPS, 1, 1)
+    const uint g = thread_position_in_grid.x;
+    if (g >= GROUPS) return;
+    int4 lo, hi;
+    float d;
+    int sum;
+    q8_group(y + 32 * (ulong)g, lo, hi, d, sum);
+    device int4* q4 = (device int4*)qy;
+    q4[2 * (ulong)g] = lo;
+    q4[2 * (ulong)g + 1] = hi;
+    ds[2 * (ulong)g] = d;
+    ds[2 * (ulong)g + 1] = float(sum);
+
+// ==== kernel: mul_mv_q4_K_q8_pre
+// OPT-IN, NOT EXACT (flag mv_q8): mul_mv_q4_K_q8_multi's arithmetic on activations that
+// quantize_q8 wrote once (no per-threadgroup quantization, no threadgroup memory, no barrier),
+// for up to four Q4_K matrices or (GLU 1) gate and up. A SIMD group is 32/LPR groups of LPR
+// lanes; lane group i takes NR0 rows, lane l of it the runs p = l, l+LPR, ... of each (LPR a
+// multiple of 4, so a lane's sub-block pair 2(p%4), 2(p%4)+1 is fixed), then a butterfly over
+// the LPR lanes (lane_group_sum). LPR = 32 is mul_mv_q4_K_q8_multi's order and bits. The loads
+// of U runs are issued before their arithmetic (U does not change the bits).
+// inputs: w0..w3, qy [T, K/4], ds [T, K/16]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
+// grid (sum_i ceil(Ri/(NR0*NSG*32/LPR))*32, NSG, T), threadgroup (32, NSG, 1)
+    const uint tiisg = thread_position_in_threadgroup.x;
+    const uint sgitg = thread_position_in_threadgroup.y;
+    const uint t = threadgroup_position_in_grid.z;
+    const uint li = tiisg % LPR, gi = tiisg / LPR;
+    const uint per_sg = NR0 * (32 / LPR);
+    const uint per_tg = per_sg * NSG;
+    const uint g0 = (R0 + per_tg - 1) / per_tg;
+    const uint g1 = (R1 + per_tg - 1) / per_tg;
+    const uint g2 = (R2 + per_tg - 1) / per_tg;
+    uint tg = threadgroup_position_in_grid.x;
+    device const uchar* w = w0;
+    uint rows = R0, out0 = 0;
+    if (GLU == 0) {
+        if (tg >= g0 + g1 + g2) {
+            tg -= g0 + g1 + g2; w = w3; rows = R3; out0 = R0 + R1 + R2;
+        } else if (tg >= g0 + g1) {
+            tg -= g0 + g1; w = w2; rows = R2; out0 = R0 + R1;
+        } else if (tg >= g0) {
+            tg -= g0; w = w1; rows = R1; out0 = R0;
+        }
+    }
+    const uint sg_row = (tg * NSG + sgitg) * per_sg;
+    if (sg_row >= rows) return;  // the whole SIMD group: its butterflies need all 32 lanes
+    const uint first_row = sg_row + gi * NR0;
+    const uint nb = K / 256;
+    const uint row_bytes = nb * 144u;
+    device const uchar* rp[2 * NR0];
+    float sumf[2 * NR0];
+    for (int r = 0; r < 2 * NR0; ++r) {
+        device const uchar* m = (GLU == 1 && r >= NR0) ? w1 : w;
+        const uint rr = min(first_row + uint(r % NR0), rows - 1u);
+        rp[r] = m + (ulong)rr * row_bytes;
+        sumf[r] = 0.0f;
+    }
+    device const int4* yq4 = (device const int4*)qy + (ulong)t * (K / 16);
+    device const float4* ds4 = (device const float4*)ds + (ulong)t * (K / 64);
+    const uint tq = li % 4;
+    const uint nrows = (GLU == 1 ? 2 : 1) * NR0;
+    // U runs per iteration (p, p+LPR, ...), every load of all of them first; added in run order
+    for (uint p0 = li; p0 < nb * 4; p0 += LPR * U) {
+        int4 yv[U][4];
+        float4 e[U];
+        uint4 hdr[U][2 * NR0], qar[U][2 * NR0], qbr[U][2 * NR0];
+        for (int u = 0; u < U; ++u) {
+            const uint b = min((p0 + u * LPR) / 4, nb - 1u);  // a run past the row: loaded, not added
+            device const int4* yb = yq4 + 16 * b + 4 * tq;  // values 256b + 64tq .. +63
+            for (int i = 0; i < 4; ++i) yv[u][i] = yb[i];
+            e[u] = ds4[4 * b + tq];  // d, sum of groups 8b+2tq and 8b+2tq+1
+            for (uint r = 0; r < nrows; ++r) {
+                device const uchar* blk = rp[r] + (ulong)b * 144u;
+                hdr[u][r] = *(device const uint4*)blk;
+                qar[u][r] = *(device const uint4*)(blk + 16 + 32 * tq);
+                qbr[u][r] = *(device const uint4*)(blk + 32 + 32 * tq);
+            }
+        }
+        for (int u = 0; u < U; ++u) {
+            if (p0 + u * LPR >= nb * 4) break;
+            for (uint r = 0; r < nrows; ++r)
+                sumf[r] = q4K_q8_run(hdr[u][r], qar[u][r], qbr[u][r], tq, yv[u][0], yv[u][1], yv[u][2], yv[u][3],
+                                     e[u].x, e[u].y, e[u].z, e[u].w, sumf[r]);
+        }
+    }
+    if (GLU == 1) {
+        for (int r = 0; r < NR0; ++r) {
+            const float gate = lane_group_sum<LPR>(sumf[r]);
+            const float up = lane_group_sum<LPR>(sumf[NR0 + r]);
+            if (li == 0 && first_row + r < rows) dst[(ulong)t * R0 + first_row + r] = apply_activation<ACT>(gate, up);
+        }
+    } else {
+        const uint total_rows = R0 + R1 + R2 + R3;
+        for (int r = 0; r < NR0; ++r) {
+            const float total = lane_group_sum<LPR>(sumf[r]);
+            if (li == 0 && first_row + r < rows) dst[(ulong)t * total_rows + out0 + first_row + r] = total;
         }
     }

@@ -317,10 +317,10 @@ def quantize_q8(y2: mx.array):
         return q, d, q.sum(axis=-1)
 
 
-def mul_mv_q4_K_q8_oracle(y, w) -> mx.array:
-    """The q8 kernel's operations in its order: per 32-value sub-block an exact integer dot, then
-    ``fma(d*sc, dy*sumi, -((dmin*m) * (dy*s)))``; lane l adds its runs l, l+32, ... (two
-    sub-blocks each) in order; then the butterfly."""
+def mul_mv_q4_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
+    """The q8 kernels' operations in their order: per 32-value sub-block an exact integer dot, then
+    ``fma(d*sc, dy*sumi, -((dmin*m) * (dy*s)))``; lane l of a row's ``lanes`` adds its runs
+    l, l+lanes, ... (two sub-blocks each) in order; then the butterfly over those lanes."""
     R, nb = w.shape[0], w.shape[1] // 144
     K = nb * 256
     y2 = _flat(y, K)
@@ -338,16 +338,21 @@ def mul_mv_q4_K_q8_oracle(y, w) -> mx.array:
         dyb, syb = dy.reshape(T, 1, nb, 8), sy.astype(F32).reshape(T, 1, nb, 8)
         part = fp.fma(d * sc, dyb * sumi, -((dmin * m) * (dyb * syb)))  # [T, R, nb, 8]
         runs = part.reshape(T, R, nb * 4, 2)
-        runs = fp.pad_axis(runs, 2, 32).reshape(T, R, -1, 32, 2)  # [T, R, k, lane, 2]
-        seq = runs.transpose(0, 1, 3, 2, 4).reshape(T, R, 32, -1)  # each lane's additions in order
-        lanes = fp.running_sum(seq, axis=-1)
-        return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
+        runs = fp.pad_axis(runs, 2, lanes).reshape(T, R, -1, lanes, 2)  # [T, R, k, lane, 2]
+        seq = runs.transpose(0, 1, 3, 2, 4).reshape(T, R, lanes, -1)  # each lane's additions in order
+        return fp.simd_sum(fp.running_sum(seq, axis=-1), lanes).reshape(*y.shape[:-1], R)
 
 
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
-KERNELS += (_Q8,)
+_QUANTIZE_Q8 = Kernel("mul_mv", "quantize_q8", ["y"], ["qy", "ds"])
+_Q8_PRE = Kernel("mul_mv", "mul_mv_q4_K_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",))
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
+# mul_mv_q4_K_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
+# fixes the bits, so the CPU's oracle takes CUDA's; Metal unmeasured (LPR 32: mul_mv_q4_K_q8_multi's order)
+Q8_PRE_GEOMETRY = {"cuda": (1, 4, 8, 1), "metal": (2, 4, 32, 1)}
+Q8_PRE_GEOMETRY["cpu"] = Q8_PRE_GEOMETRY["cuda"]
 
 
 def _q8_geometry(which: str) -> tuple[int, int]:
@@ -358,37 +363,93 @@ def _q8_geometry(which: str) -> tuple[int, int]:
     return Q8_GEOMETRY.get(which, (2, 4))
 
 
+def q8_pre_geometry(which: str) -> tuple[int, int, int, int]:
+    """``(NR0, NSG, LPR, U)`` of mul_mv_q4_K_q8_pre; ``MUSE_MLX_Q8_PRE_GEOMETRY=NR0xNSGxLPR[xU]``
+    overrides it."""
+    env = os.environ.get("MUSE_MLX_Q8_PRE_GEOMETRY")
+    if not env:
+        return Q8_PRE_GEOMETRY.get(which, (2, 4, 32, 1))
+    try:
+        parts = [int(v) for v in env.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (3, 4):
+        raise ValueError(f"MUSE_MLX_Q8_PRE_GEOMETRY={env!r}: expected NR0xNSGxLPR[xU], e.g. 1x4x8x2")
+    nr0, nsg, lpr, u = (parts + [1])[:4]
+    if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and lpr in (4, 8, 16, 32) and 1 <= u <= 4):
+        raise ValueError(f"MUSE_MLX_Q8_PRE_GEOMETRY={env!r}: NR0 must be 1..8, NSG 1..32, LPR 4, 8, 16 or 32, U 1..4")
+    return nr0, nsg, lpr, u
+
+
+def _q8_pre_enabled() -> bool:
+    """Whether all-Q4_K calls take mul_mv_q4_K_q8_pre (``MUSE_MLX_Q8_PRE=0``: the per-threadgroup
+    quantizing kernel instead, for comparison)."""
+    return os.environ.get("MUSE_MLX_Q8_PRE", "1") != "0"
+
+
+def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
+    """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q4_K_q8_pre: ``qy``
+    (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
+    of 32), flat. On the CPU, :func:`quantize_q8`'s values in that layout."""
+    which = which or backend()
+    K = y.shape[-1]
+    if K % 32:
+        raise ValueError(f"q8 activations come in groups of 32 values, not {K}")
+    if which == "cpu":
+        q, d, s = quantize_q8(y.astype(F32).reshape(-1, K))
+        with mx.stream(CPU):
+            b = q.astype(mx.int8).reshape(-1, 4).view(mx.uint8).astype(mx.uint32)
+            qy = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
+            return qy, mx.stack([d, s.astype(F32)], axis=-1).reshape(-1)
+    groups = y.size // 32
+    return _QUANTIZE_Q8([y.astype(F32)], [(y.size // 4,), (y.size // 16,)], [mx.uint32, F32],
+                        grid=(groups, 1, 1), threadgroup=(min(256, groups), 1, 1),
+                        template=[("GROUPS", groups)], which=which)
+
+
 def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
     """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8,
     Q6_K through the exact lanes), concatenated; or, with ``glu`` an activation, two Q4_K
-    matrices (gate, up) and ``act(gate) * up``."""
+    matrices (gate, up) and ``act(gate) * up``. Matrices that are all Q4_K take the activations
+    quantized once (``quantize_q8`` + ``mul_mv_q4_K_q8_pre``, whose lanes per row fix the bits);
+    a mix with Q6_K, ``mul_mv_q4_K_q8_multi`` (32 lanes per row)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _k_of(*weights[0])
     which = which or backend()
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
+    pre = _q8_pre_enabled() and all(k == "q4_K" for _, k in weights)
     if which == "cpu":
-        outs = [(mul_mv_q4_K_q8_oracle if k == "q4_K" else ORACLES[k])(y, w) for w, k in weights]
+        lanes = q8_pre_geometry(which)[2] if pre else 32
+        outs = [mul_mv_q4_K_q8_oracle(y, w, lanes) if k == "q4_K" else ORACLES[k](y, w) for w, k in weights]
         if glu is not None:
             return silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
         return mx.concatenate(outs, axis=-1)
     y, T = _tokens(y, K)
-    nr0, nsg = _q8_geometry(which)
-    per_tg = nr0 * nsg
+    if pre:
+        nr0, nsg, lpr, u = q8_pre_geometry(which)
+        per_tg = nr0 * nsg * (32 // lpr)
+    else:
+        nr0, nsg = _q8_geometry(which)
+        per_tg = nr0 * nsg
     rows = [w.shape[0] for w, _ in weights] + [0] * (4 - len(weights))
     kinds = [k for _, k in weights] + ["q4_K"] * (4 - len(weights))
     mats = [w for w, _ in weights] + [weights[0][0]] * (4 - len(weights))
     if glu is not None:
         rows = [rows[0], 0, 0, 0]
     template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("GLU", int(glu is not None)),
-                ("ACT", ACTIVATIONS[glu or "silu"])]
-    template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
+                ("ACT", ACTIVATIONS[glu or "silu"])] + [(f"R{i}", rows[i]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
-    (dst,) = _Q8(
-        mats + [y], [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=template, which=which,
-    )
+    launch = dict(grid=(groups * 32, nsg, T), threadgroup=(32, nsg, 1), which=which)
+    out_shape = [(*y.shape[:-1], sum(rows))]
+    if pre:
+        qy, ds = quantize_q8_rows(y, which)
+        (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template + [("LPR", lpr), ("U", u)],
+                       **launch)
+    else:
+        template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
+        (dst,) = _Q8(mats + [y], out_shape, [F32], template=template, **launch)
     return dst
 
 

@@ -40,6 +40,7 @@ __device__ __forceinline__ float simd_sum(float v) {
 }
 
 __device__ __forceinline__ uint simd_shuffle_xor(uint v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+__device__ __forceinline__ float simd_shuffle_xor(float v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ float simd_max(float v) {
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
