@@ -285,10 +285,10 @@ def check_decode_kernels(rng, quick):
 def check_q8(rng, quick):
     """The opt-in int8-activation kernels (flag mv_q8) against their oracle (exact integer dots, then
     their float order; Q6_K rows through the exact lanes), on every Q4_K matrix shape of the release
-    geometry: random valid blocks (written in seconds, where quantizing takes minutes). All-Q4_K calls
-    take quantize_q8 + mul_mv_q4_K_q8_pre, whose lanes per row (LPR) fix the bits: checked at the
-    default geometry and at others (LPR 32 must give the per-threadgroup kernel's bits); a mix with
-    Q6_K takes mul_mv_q4_K_q8_multi."""
+    geometry: random valid blocks (written in seconds, where quantizing takes minutes). The GLU (and,
+    with MUSE_MLX_Q8_PRE=all, every all-Q4_K call) takes quantize_q8 + mul_mv_q4_K_q8_pre, whose lanes
+    per row (LPR) fix the bits: checked at the default geometry and at others (LPR 32 must give the
+    per-threadgroup kernel's bits); the rest takes mul_mv_q4_K_q8_multi."""
     D, ff = (6656, 19968) if not quick else (512, 768)  # (768: an odd number of blocks per row)
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h = randn(rng, 1, D), randn(rng, 1, ff)
@@ -303,8 +303,12 @@ def check_q8(rng, quick):
     compare("quantize_q8 (opt-in mv_q8) int8 words", f"{ff}", mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
     wq, wq2 = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     sel = some(ff)
-    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
+    with env("MUSE_MLX_Q8_PRE", "all"):
+        got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
     compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{ff}x{D} at {geo}", got[..., sel], oracle(x, wq[sel]),
+            note=f"{sel.size} rows")
+    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])  # the default: not the GLU, so the per-threadgroup kernel
+    compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{ff}x{D}", got[..., sel], oracle(x, wq[sel], 32),
             note=f"{sel.size} rows")
     got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
     want = ffn.silu_oracle(oracle(x, wq[sel]), oracle(x, wq2[sel]), exp=probe("exp"))
@@ -320,14 +324,19 @@ def check_q8(rng, quick):
         got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
     want = ffn.silu_oracle(oracle(x, wq[sel], 32), oracle(x, wq2[sel], 32), exp=probe("exp"))
     compare("mul_mv_q4_K_q8_multi glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
-    for rows, k in ((D, ff), (D, qw)):  # ffn_down, attn_output
+    for rows, k in ((D, ff), (D, qw)):  # ffn_down, attn_output: both kernels
         w, sel = random_blocks(rows, k, T.Q4_K, rng), some(rows)
         y = h if k == ff else randn(rng, 1, k)
-        got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
+        with env("MUSE_MLX_Q8_PRE", "all"):
+            got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
         compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {geo}", got[..., sel], oracle(y, w[sel]),
                 note=f"{sel.size} rows")
+        got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
+        compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], oracle(y, w[sel], 32),
+                note=f"{sel.size} rows")
     q4 = [random_blocks(r, D, T.Q4_K, rng) for r in (qw, kvw, kvw, qw)]
-    got = gpu(K.mul_mv_q8, x, [(w, "q4_K") for w in q4])
+    with env("MUSE_MLX_Q8_PRE", "all"):
+        got = gpu(K.mul_mv_q8, x, [(w, "q4_K") for w in q4])
     compare("mul_mv_q4_K_q8_pre multi (opt-in mv_q8)", f"q,k,v,gate x {D} at {geo}", got,
             mx.concatenate([oracle(x, w) for w in q4], -1))
     ws = [(q4[0], "q4_K"), (q4[1], "q4_K"), (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (q4[3], "q4_K")]

@@ -386,8 +386,11 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         with env("MUSE_MLX_Q8_GEOMETRY", g):
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
-    for g in q8_pre_geoms:  # all Q4_K: activations quantized once, then mul_mv_q4_K_q8_pre
-        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g):
+    for g in q8_geoms:  # the other all-Q4_K calls, on the same kernel by default
+        with env("MUSE_MLX_Q8_GEOMETRY", g):
+            rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
+    for g in q8_pre_geoms:  # the GLU (and, forced, the rest): activations quantized once, then mul_mv_q4_K_q8_pre
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g), env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")])

@@ -245,10 +245,22 @@ def test_q8_kernel(rows, k, t, monkeypatch):
     want = mx.concatenate([mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.ORACLES["q6_K"](y, b),
                            mul_mv.mul_mv_q4_K_q8_oracle(y, c)], axis=-1)
     assert_bits_equal(got, want)
-    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")  # all Q4_K, through the same kernel
+    assert_bits_equal(emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")]),  # all Q4_K, not a GLU
+                      mx.concatenate([mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.mul_mv_q4_K_q8_oracle(y, c)], -1))
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")  # the GLU through the same kernel
     glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")], glu="silu")
     assert_bits_equal(glu, ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.mul_mv_q4_K_q8_oracle(y, c),
                                            exp=libm("expf")))
+
+
+def test_q8_pre_switch_is_checked(monkeypatch):
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "sometimes")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q8_PRE='sometimes'"):
+        K.mul_mv_q8(arr(1, 256), [(qrows(4, 256, "q4_K"), "q4_K")], which="cpu")
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "all")
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "1x4x12")
+    with pytest.raises(ValueError, match="LPR 4, 8, 16 or 32"):
+        K.mul_mv_q8(arr(1, 256), [(qrows(4, 256, "q4_K"), "q4_K")], which="cpu")
 
 
 @emulator
@@ -264,10 +276,12 @@ def test_q8_quantize_kernel():
 @emulator
 @pytest.mark.parametrize("geometry", ["1x4x8", "2x2x4x2", "1x2x16x3", "2x4x32", "3x1x8x4"])
 def test_q8_pre_kernel(geometry, monkeypatch):
-    """All Q4_K: the activations quantized once, then mul_mv_q4_K_q8_pre; its lanes per row (LPR,
-    the third number) fix the bits, the other numbers only the speed. Rows not a multiple of a
-    SIMD group's, and row lengths of 1, 3 and 8 blocks (runs not a multiple of the lanes)."""
+    """The activations quantized once, then mul_mv_q4_K_q8_pre (the GLU's default; every all-Q4_K
+    call with MUSE_MLX_Q8_PRE=all); its lanes per row (LPR, the third number) fix the bits, the
+    other numbers only the speed. Rows not a multiple of a SIMD group's, and row lengths of 1, 3
+    and 8 blocks (runs not a multiple of the lanes)."""
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "all")
     lanes = int(geometry.split("x")[2])
     oracle = lambda y, w: mul_mv.mul_mv_q4_K_q8_oracle(y, w, lanes)  # noqa: E731
     for rows, k, t in [(37, 768, 2), (16, 256, 1), (5, 2048, 1)]:
@@ -275,8 +289,11 @@ def test_q8_pre_kernel(geometry, monkeypatch):
         a, c, d = qrows(rows, k, "q4_K"), qrows(rows + 3, k, "q4_K"), qrows(rows, k, "q4_K")
         got = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")])
         assert_bits_equal(got, mx.concatenate([oracle(y, a), oracle(y, c)], axis=-1))
-        glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (d, "q4_K")], glu="gelu_tanh")
-        assert_bits_equal(glu, ffn.gelu_oracle(oracle(y, a), oracle(y, d), tanh=libm("tanhf")))
+        for mode in ("all", "glu"):  # the GLU takes it by default too
+            monkeypatch.setenv("MUSE_MLX_Q8_PRE", mode)
+            glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (d, "q4_K")], glu="gelu_tanh")
+            assert_bits_equal(glu, ffn.gelu_oracle(oracle(y, a), oracle(y, d), tanh=libm("tanhf")))
+        monkeypatch.setenv("MUSE_MLX_Q8_PRE", "all")
         # and on the CPU the route computes that same oracle
         assert_bits_equal(K.mul_mv_q8(y, [(a, "q4_K"), (c, "q4_K")], which="cpu"), got)
 
@@ -285,6 +302,7 @@ def test_q8_pre_kernel(geometry, monkeypatch):
 def test_q8_pre_kernel_at_32_lanes_is_the_per_threadgroup_kernel(monkeypatch):
     y, a, b = arr(1, 1024), qrows(40, 1024, "q4_K"), qrows(40, 1024, "q4_K")
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "2x4x32")
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "glu")
     pre = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q4_K")], glu="silu")
     monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")
     assert_bits_equal(pre, emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q4_K")], glu="silu"))

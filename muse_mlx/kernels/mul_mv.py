@@ -350,8 +350,10 @@ KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q4_K_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
-# fixes the bits, so the CPU's oracle takes CUDA's; Metal unmeasured (LPR 32: mul_mv_q4_K_q8_multi's order)
-Q8_PRE_GEOMETRY = {"cuda": (1, 4, 8, 1), "metal": (2, 4, 32, 1)}
+# fixes the bits, so the CPU's oracle takes CUDA's. CUDA: the GLU's best of 14 on the H200 (bench.py
+# --parts q8: 52.1 us alone, 44.9 inside the decode, against 54.9 and 60.0 for the per-threadgroup
+# kernel); Metal unmeasured (LPR 32: mul_mv_q4_K_q8_multi's order)
+Q8_PRE_GEOMETRY = {"cuda": (2, 4, 4, 1), "metal": (2, 4, 32, 1)}
 Q8_PRE_GEOMETRY["cpu"] = Q8_PRE_GEOMETRY["cuda"]
 
 
@@ -381,10 +383,16 @@ def q8_pre_geometry(which: str) -> tuple[int, int, int, int]:
     return nr0, nsg, lpr, u
 
 
-def _q8_pre_enabled() -> bool:
-    """Whether all-Q4_K calls take mul_mv_q4_K_q8_pre (``MUSE_MLX_Q8_PRE=0``: the per-threadgroup
-    quantizing kernel instead, for comparison)."""
-    return os.environ.get("MUSE_MLX_Q8_PRE", "1") != "0"
+def _q8_pre(weights, glu) -> bool:
+    """Whether a call takes quantize_q8 + mul_mv_q4_K_q8_pre: the GLU by default, where it is
+    faster on the H200; ``MUSE_MLX_Q8_PRE=all``: every all-Q4_K call, ``0``: none (for comparison;
+    the per-threadgroup kernel loses nothing to a separate quantization on the smaller calls)."""
+    mode = os.environ.get("MUSE_MLX_Q8_PRE", "glu").lower()
+    if mode not in ("glu", "all", "0"):
+        raise ValueError(f"MUSE_MLX_Q8_PRE={mode!r}: expected glu, all or 0")
+    if mode == "0" or any(k != "q4_K" for _, k in weights):
+        return False
+    return mode == "all" or glu is not None
 
 
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
@@ -410,16 +418,16 @@ def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
 def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
     """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8,
     Q6_K through the exact lanes), concatenated; or, with ``glu`` an activation, two Q4_K
-    matrices (gate, up) and ``act(gate) * up``. Matrices that are all Q4_K take the activations
-    quantized once (``quantize_q8`` + ``mul_mv_q4_K_q8_pre``, whose lanes per row fix the bits);
-    a mix with Q6_K, ``mul_mv_q4_K_q8_multi`` (32 lanes per row)."""
+    matrices (gate, up) and ``act(gate) * up``. The GLU takes the activations quantized once
+    (``quantize_q8`` + ``mul_mv_q4_K_q8_pre``, whose lanes per row fix the bits; see :func:`_q8_pre`);
+    the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _k_of(*weights[0])
     which = which or backend()
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
-    pre = _q8_pre_enabled() and all(k == "q4_K" for _, k in weights)
+    pre = _q8_pre(weights, glu)
     if which == "cpu":
         lanes = q8_pre_geometry(which)[2] if pre else 32
         outs = [mul_mv_q4_K_q8_oracle(y, w, lanes) if k == "q4_K" else ORACLES[k](y, w) for w, k in weights]
