@@ -151,15 +151,17 @@ def test_f16_prefill_matmul_is_a_half_rounded_product(qtype):
 
 
 def test_batched_prefill_evaluated_layer_by_layer_gives_the_same_bits(tiny):
-    """generate evaluates a batched prefill every few layers (to bound its memory): a schedule,
-    not a change of arithmetic, so every period gives the one-graph logits bit for bit."""
+    """generate evaluates a batched prefill every few layers (to bound its memory), each group
+    started before the previous one is waited for: a schedule, not a change of arithmetic, so every
+    period, pipelined or not, gives the one-graph logits bit for bit."""
     from muse_mlx.generate import batched_prefill
 
     model = load_model(tiny("muse-glimmer"), "pinned")
     out = {}
-    for period in (0, 1, 3):
+    for period, pipeline in ((0, True), (1, True), (3, True), (1, False), (3, False)):
         with batched_prefill(model.route, "batched"):
-            model.route.layer_sync = period
-            out[period] = logits(model, TOKENS)
-    np.testing.assert_array_equal(out[0].view(np.uint64), out[1].view(np.uint64))
-    np.testing.assert_array_equal(out[0].view(np.uint64), out[3].view(np.uint64))
+            model.route.layer_sync, model.route.layer_pipeline = period, pipeline
+            out[period, pipeline] = logits(model, TOKENS)
+        model.route.layer_pipeline = True
+    for key in out:
+        np.testing.assert_array_equal(out[0, True].view(np.uint64), out[key].view(np.uint64))
