@@ -22,6 +22,7 @@ rather than pre-filled, since decode speed does not depend on what the planes ho
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -47,6 +48,8 @@ from muse_mlx.layers import QLinear  # noqa: E402
 from muse_mlx.routes import PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
+
+from environment import env  # noqa: E402
 
 TINY_GEOMETRY = Geometry(n_layer=4, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, head_dim=64, n_ctx=1024,
                          sliding_window=8, rms_eps=1e-5)
@@ -197,11 +200,10 @@ def geometry_sweep(reps: int, rng) -> list[dict]:
             if qtype == T.Q4_K:
                 line = []
                 for geometry in Q8_SWEEP:
-                    os.environ["MUSE_MLX_Q8_GEOMETRY"] = geometry
-                    t = time_op(lambda y: K.mul_mv_q8(y, [(w, "q4_K")]), n, Kc)
+                    with env("MUSE_MLX_Q8_GEOMETRY", geometry), env("MUSE_MLX_Q8_PRE", "0"):
+                        t = time_op(lambda y: K.mul_mv_q8(y, [(w, "q4_K")]), n, Kc)
                     rows.append(dict(label=label, qtype="q4_K_q8", geometry=geometry, us=t * 1e6, gbps=w.nbytes / t / 1e9))
                     line.append(f"{geometry} {w.nbytes / t / 1e9:5.0f}")
-                os.environ.pop("MUSE_MLX_Q8_GEOMETRY")
                 log(f"  {label:26} q8  : " + "  ".join(line) + "  (GB/s)")
             del w
     return rows
@@ -236,14 +238,11 @@ def q8_table(g, reps: int, rng) -> list[dict]:
         variants = [("exact", exact, {}), ("q8 per-threadgroup", q8, {"MUSE_MLX_Q8_PRE": "0"})]
         variants += [(f"pre {geo}", q8, {"MUSE_MLX_Q8_PRE": "all", "MUSE_MLX_Q8_PRE_GEOMETRY": geo})
                      for geo in Q8_PRE_SWEEP]
-        for name, fn, env in variants:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            try:
+        for name, fn, settings in variants:
+            with contextlib.ExitStack() as stack:
+                for k, v in settings.items():
+                    stack.enter_context(env(k, v))
                 t = time_op(fn, reps, width)
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
             rows.append(dict(label=label, variant=name, us=t * 1e6, gbps=nbytes / t / 1e9))
             total[name] = total.get(name, 0.0) + t
             line.append(f"{name} {t * 1e6:.1f} us {nbytes / t / 1e9:.0f}")
@@ -264,15 +263,15 @@ def q8_table(g, reps: int, rng) -> list[dict]:
 def pick_geometries(sweep: list[dict]) -> dict:
     """The fastest geometry per block type (total time over the swept shapes), set for this run."""
     picks = {}
-    for qtype, env in (("Q4_K", "MUSE_MLX_MV_GEOMETRY"), ("Q6_K", "MUSE_MLX_MV_GEOMETRY_Q6K"),
+    for qtype, var in (("Q4_K", "MUSE_MLX_MV_GEOMETRY"), ("Q6_K", "MUSE_MLX_MV_GEOMETRY_Q6K"),
                        ("q4_K_q8", "MUSE_MLX_Q8_GEOMETRY")):
         total: dict[str, float] = {}
         for r in sweep:
             if r["qtype"] == qtype:
                 total[r["geometry"]] = total.get(r["geometry"], 0.0) + r["us"]
         if total:
-            picks[env] = min(total, key=total.get)
-            os.environ[env] = picks[env]
+            picks[var] = min(total, key=total.get)
+            os.environ[var] = picks[var]
     return picks
 
 

@@ -20,9 +20,7 @@ what the oracles (which model the CUDA prelude) assume; see docs/gpu-exactness.m
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import platform
 import sys
 import time
@@ -41,6 +39,8 @@ from muse_mlx.compare import ulp_distance  # noqa: E402
 from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
 from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
 from muse_mlx.quantizers import quantize  # noqa: E402
+
+from environment import env  # noqa: E402
 
 RESULTS: list[dict] = []
 WHICH = backend()  # read once: inside an oracle the default stream is the CPU's
@@ -89,20 +89,6 @@ def gpu(fn, *args, **kw):
     out = fn(*args, which=WHICH, **kw)
     mx.eval(out)
     return out
-
-
-@contextlib.contextmanager
-def env(name: str, value: str):
-    """``os.environ[name] = value`` for the duration (a kernel reads its geometry when called)."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = before
 
 
 def randn(rng, *shape, scale=1.0):

@@ -68,6 +68,8 @@ from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx.kernels import attention, mul_mv  # noqa: E402
 from muse_mlx.kernels.backend import Kernel  # noqa: E402
 
+from environment import env  # noqa: E402
+
 HEADER = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n#include <cooperative_groups.h>\n"
 # NVRTC has no <cstdint>; MLX's utils.cuh brings the fixed-width types through libcu++ instead
 NVRTC_HEADER = HEADER.replace("<cstdint>", "<cuda/std/cstdint>")
@@ -336,21 +338,6 @@ def weights_in_loop(name: str, lp) -> tuple[int, str] | None:
 
 def zeros_rows(rows: int, k: int, kind: str) -> mx.array:
     return mx.zeros((rows, k // 256 * BLOCK[kind]), dtype=mx.uint8)  # lazy: recording reads only the shape
-
-
-@contextlib.contextmanager
-def env(name: str, value: str | None):
-    old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if value is not None:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
 
 
 def geo(g: tuple) -> str:

@@ -4,6 +4,7 @@ on a GPU, see docs/performance.md): every section runs and its numbers are consi
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,3 +39,23 @@ def test_bench_reports_every_route_and_flag(tmp_path):
     assert set(r["routes"][0]["prefill_tok_s"]) == {"batched", "batched-f16"}
     assert min(r["routes"][0]["prefill_tok_s"].values()) > 0 and r["routes"][2]["prefill_tok_s"]["batched"] > 0
     assert "prefill_tok_s" not in r["routes"][1]  # flag sets other than tail_32sg skip it
+
+
+def test_bench_q8_part_times_every_call_and_variant(tmp_path, monkeypatch):
+    """--parts q8: every call (GLU, ffn_down, the projections, attn_output) at every variant, and
+    the GLU's fastest geometry of the new kernel set for the rest of the run."""
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "1x4x8")  # recorded, so the run's own setting is undone
+    monkeypatch.delenv("MUSE_MLX_Q8_PRE_GEOMETRY")
+    out = tmp_path / "q8.json"
+    assert bench.main(["--tiny", "--parts", "q8", "--kernel-reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["q8"]
+    variants = ["exact", "q8 per-threadgroup"] + [f"pre {g}" for g in bench.Q8_PRE_SWEEP]
+    labels = [r["label"] for r in rows if r["variant"] == "exact"]
+    assert len(labels) == 4 and labels[0].startswith("ffn_gate+up")
+    for label in labels:
+        assert [r["variant"] for r in rows if r["label"] == label] == variants
+        assert all(r["us"] > 0 and r["gbps"] > 0 for r in rows if r["label"] == label)
+    picked = [r for r in rows if r["label"] == "picked for the GLU"][0]["variant"]
+    glu = {r["variant"]: r["us"] for r in rows if r["label"] == labels[0] and r["variant"].startswith("pre ")}
+    assert picked == min(glu, key=glu.get)
+    assert os.environ["MUSE_MLX_Q8_PRE_GEOMETRY"] == picked[4:]
