@@ -382,13 +382,18 @@ def dispatch_cost(n: int = 200) -> dict:
     return out
 
 
-def decode_tokens(step, y: mx.array, n: int) -> mx.array:
+def decode_tokens(step, y: mx.array, n: int, waits: list | None = None) -> mx.array:
     """``n`` greedy tokens after ``y``, pipelined as ``generate`` does: each step is queued
-    (``mx.async_eval``) before the host waits for the previous token. Returns the last token."""
+    (``mx.async_eval``) before the host waits for the previous token. Returns the last token;
+    ``waits`` gets the seconds the host spent waiting for each token (the rest of the wall clock
+    is the host's own work: building and queueing the steps)."""
     for _ in range(n):
         nxt = step(y.reshape(1))
         mx.async_eval(nxt)
+        t0 = time.perf_counter()
         y.item()
+        if waits is not None:
+            waits.append(time.perf_counter() - t0)
         y = nxt
     y.item()
     return y
@@ -414,8 +419,10 @@ def greedy_step(model, cache, capacity: int, compiled):
 
 
 def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dict:
-    """Median tokens/s over ``runs`` runs of ``n_tokens`` greedy tokens, pipelined as generate does."""
-    rates = []
+    """Median tokens/s over ``runs`` runs of ``n_tokens`` greedy tokens, pipelined as generate does;
+    and, of the median run, the host's own time per token and its time waiting for the device (a
+    decode bound by the host waits for almost nothing)."""
+    runs_out = []
     for run in range(runs + 1):  # the first run warms up (kernel builds, the compile trace)
         cache = model.make_cache()
         fill_cache(model, cache, ctx, rng)
@@ -423,13 +430,16 @@ def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dic
         y = step(mx.array([1]))
         mx.async_eval(y)
         y.item()
+        waits: list = []
         t0 = time.perf_counter()
-        decode_tokens(step, y, n_tokens)
+        decode_tokens(step, y, n_tokens, waits)
         dt = time.perf_counter() - t0
         if run:
-            rates.append(n_tokens / dt)
+            runs_out.append((n_tokens / dt, (dt - sum(waits)) / n_tokens, sum(waits) / n_tokens))
         del cache
-    return dict(ctx=ctx, tok_s=statistics.median(rates), runs=rates)
+    rates = [r for r, _, _ in runs_out]
+    _, host, wait = sorted(runs_out)[len(runs_out) // 2]
+    return dict(ctx=ctx, tok_s=statistics.median(rates), runs=rates, host_ms=host * 1e3, wait_ms=wait * 1e3)
 
 
 def dispatch_count(model, ctx: int, rng) -> dict:
@@ -613,7 +623,8 @@ def main(argv=None) -> int:
                              of_roofline=r["tok_s"] / (bw / wbytes))
                     entry["decode"].append(r)
                     log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}: {r['tok_s']:7.1f} tok/s = "
-                        f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}")
+                        f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}; "
+                        f"per token the host works {r['host_ms']:.2f} ms and waits {r['wait_ms']:.2f} ms")
             entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
             if contexts:
                 log(f"    decode peak memory {entry['peak_bytes'] / 1e9:.1f} GB = "

@@ -34,6 +34,9 @@ def test_bench_reports_every_route_and_flag(tmp_path):
             assert d["tok_s"] > 0
             assert d["tb_s"] == pytest.approx(e["weight_bytes"] * d["tok_s"] / 1e12)
             assert d["of_copy"] == pytest.approx(d["tb_s"] / r["copy_tb_s"])
+            # one run: its host work and waits add up to its time per token
+            assert d["host_ms"] > 0 and d["wait_ms"] >= 0
+            assert d["host_ms"] + d["wait_ms"] == pytest.approx(1e3 / d["tok_s"])
     # the pinned decode path's accounting (tests/test_pinned_route.py): 2 + 9 per layer + head + embedding
     assert r["routes"][0]["dispatches"]["route_ops"] == 2 + 9 * L + 2
     assert set(r["routes"][0]["prefill_tok_s"]) == {"batched", "batched-f16"}
