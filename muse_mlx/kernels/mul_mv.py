@@ -384,9 +384,9 @@ def q8_pre_geometry(which: str) -> tuple[int, int, int, int]:
 
 
 def _q8_pre(weights, glu) -> bool:
-    """Whether a call takes quantize_q8 + mul_mv_q4_K_q8_pre: the GLU by default, where it is
-    faster on the H200; ``MUSE_MLX_Q8_PRE=all``: every all-Q4_K call, ``0``: none (for comparison;
-    the per-threadgroup kernel loses nothing to a separate quantization on the smaller calls)."""
+    """Whether a call takes quantize_q8 + mul_mv_q4_K_q8_pre: by default the GLU, where it is the
+    faster on the H200 (the per-threadgroup kernel was faster on the other calls, measured inside
+    the decode: docs/performance.md); ``MUSE_MLX_Q8_PRE=all``: every all-Q4_K call, ``0``: none."""
     mode = os.environ.get("MUSE_MLX_Q8_PRE", "glu").lower()
     if mode not in ("glu", "all", "0"):
         raise ValueError(f"MUSE_MLX_Q8_PRE={mode!r}: expected glu, all or 0")
