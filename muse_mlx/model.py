@@ -20,7 +20,7 @@ import numpy as np
 from .cache import make_cache
 from .config import ModelConfig
 from .decode import position_array
-from .layers import Norm, QEmbedding, QLinear
+from .layers import Norm
 from .routes import Route
 from .trace import tap
 

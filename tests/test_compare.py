@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from muse_mlx.compare import Run, compare, first_divergence, grade, run_route, ulp_distance
+from muse_mlx.compare import Run, compare, grade, run_route, ulp_distance
 
 TOKENS = [3, 17, 250, 99, 42, 7, 300, 12, 5, 64]
 
