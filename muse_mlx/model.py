@@ -259,13 +259,13 @@ class Model(nn.Module):
                 # layers frees them before later layers' exist (the GPU may run far ahead). The
                 # group is started, then the one before it waited for, so that the device runs one
                 # group while the host builds the next: at most two groups' matrices at a time.
-                if not route.layer_pipeline:
+                if route.layer_pipeline:
+                    mx.async_eval(hidden, a)
+                    if in_flight is not None:
+                        mx.eval(in_flight)
+                    in_flight = (hidden, a)
+                else:
                     mx.eval(hidden, a)
-                    continue
-                mx.async_eval(hidden, a)
-                if in_flight is not None:
-                    mx.eval(in_flight)
-                in_flight = (hidden, a)
         if advance:
             for c in cache:
                 c.offset += 1
