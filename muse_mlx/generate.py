@@ -126,18 +126,23 @@ def generate_step(
 
 
 @contextlib.contextmanager
-def batched_prefill(route, mode: str = "batched"):
-    """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`);
-    a route without a batched prefill of its own (stock) is left as it is."""
+def batched_prefill(route, mode: str = "batched", layer_sync: int | None = None, pipeline: bool = True):
+    """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`),
+    evaluated every ``layer_sync`` layers (default: the mode's) and, unless ``pipeline`` is False,
+    each group started before the previous one is waited for; a route without a batched prefill
+    of its own (stock) is left as it is."""
     if not route.batches_prefill:
         yield
         return
-    before = route.batched, route.layer_sync
+    before = route.batched, route.layer_sync, route.layer_pipeline
     route.batched, route.layer_sync = PREFILL_MODES[mode]
+    if layer_sync is not None:
+        route.layer_sync = layer_sync
+    route.layer_pipeline = pipeline
     try:
         yield
     finally:
-        route.batched, route.layer_sync = before
+        route.batched, route.layer_sync, route.layer_pipeline = before
 
 
 def _raise_nonfinite(model, tokens: list[int], n: int):

@@ -466,15 +466,12 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
                  pipeline: bool = True):
     """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt; ``layer_sync``:
     evaluate every this many layers (0: one graph; default: the mode's, as generate does);
-    ``pipeline=False``: wait for each group before building the next (route.layer_pipeline)."""
+    ``pipeline=False``: wait for each group before building the next (generate.batched_prefill)."""
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
     mx.clear_cache()
     mx.reset_peak_memory()
-    with batched_prefill(model.route, mode):
-        if layer_sync is not None:
-            model.route.layer_sync = layer_sync
-        model.route.layer_pipeline = pipeline
+    with batched_prefill(model.route, mode, layer_sync, pipeline):
         for run in range(runs + 1):
             cache = model.make_cache()
             model.prepare_decode(cache, n + 8)
@@ -486,7 +483,6 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
             if run:
                 rates.append(n / dt)
             del cache
-    model.route.layer_pipeline = True
     return statistics.median(rates), mx.get_peak_memory()
 
 

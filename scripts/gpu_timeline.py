@@ -259,22 +259,18 @@ def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None)
     from muse_mlx.generate import batched_prefill
 
     prompt = mx.array(np.random.default_rng(0).integers(0, model.cfg.vocab_size, n))[None]
-    with batched_prefill(model.route, mode):
-        model.route.layer_pipeline = pipeline
-        try:
-            for record in (False, True):
-                cache = model.make_cache()
-                model.prepare_decode(cache, n + 8)
-                mx.eval([c.kv for c in cache])
+    with batched_prefill(model.route, mode, pipeline=pipeline):
+        for record in (False, True):
+            cache = model.make_cache()
+            model.prepare_decode(cache, n + 8)
+            mx.eval([c.kv for c in cache])
+            mx.synchronize()
+            with KernelTimeline(library) if record else contextlib.nullcontext() as tl:
+                t0 = time.perf_counter()
+                mx.eval(model(prompt, cache, last_only=True), [c.kv for c in cache])
                 mx.synchronize()
-                with KernelTimeline(library) if record else contextlib.nullcontext() as tl:
-                    t0 = time.perf_counter()
-                    mx.eval(model(prompt, cache, last_only=True), [c.kv for c in cache])
-                    mx.synchronize()
-                    wall = time.perf_counter() - t0
-                del cache
-        finally:
-            model.route.layer_pipeline = True
+                wall = time.perf_counter() - t0
+            del cache
     return tl.records, wall
 
 
@@ -356,10 +352,6 @@ def main(argv=None) -> int:
                 out["cases"].append(dict(label=label, route=args.route, prefill=args.prefill, mode=mode,
                                          pipeline=pipeline, summary=s, records=records))
                 mx.clear_cache()
-        if not args.ctx:
-            if args.json:
-                Path(args.json).write_text(json.dumps(out))
-            return 0
     cases = [(flags, g, ctx) for flags in dict.fromkeys(flag_sets) for g in geometries
              for ctx in (int(c) for c in args.ctx.split(",") if c)]
     for flags, g, ctx in cases:

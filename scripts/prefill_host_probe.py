@@ -79,8 +79,7 @@ def prefill_schedules(path: Path, n: int = 512) -> None:
     for mode, sync, pipeline in SCHEDULES:
         walls = []
         mx.reset_peak_memory()
-        with batched_prefill(model.route, mode):
-            model.route.layer_sync, model.route.layer_pipeline = sync, pipeline
+        with batched_prefill(model.route, mode, sync, pipeline):
             for _ in range(3):
                 cache = model.make_cache()
                 model.prepare_decode(cache, n + 8)
@@ -92,7 +91,6 @@ def prefill_schedules(path: Path, n: int = 512) -> None:
                 mx.synchronize()
                 walls.append(time.perf_counter() - t0)
                 del cache
-            model.route.layer_pipeline = True
         starts = [e - s for k, s, e in log if k == "async"]
         waits = [e - s for k, s, e in log if k == "eval"]
         builds = [s2 - e1 for (_, _, e1), (_, s2, _) in itertools.pairwise(log)]

@@ -159,9 +159,7 @@ def test_batched_prefill_evaluated_layer_by_layer_gives_the_same_bits(tiny):
     model = load_model(tiny("muse-glimmer"), "pinned")
     out = {}
     for period, pipeline in ((0, True), (1, True), (3, True), (1, False), (3, False)):
-        with batched_prefill(model.route, "batched"):
-            model.route.layer_sync, model.route.layer_pipeline = period, pipeline
+        with batched_prefill(model.route, "batched", period, pipeline):
             out[period, pipeline] = logits(model, TOKENS)
-        model.route.layer_pipeline = True
     for key in out:
         np.testing.assert_array_equal(out[0, True].view(np.uint64), out[key].view(np.uint64))
