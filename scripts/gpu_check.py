@@ -288,14 +288,19 @@ def check_q8(rng, quick):
     compare("quantize_q8 (opt-in mv_q8) d, sum q", f"{ff}", ds, want_ds)
     compare("quantize_q8 (opt-in mv_q8) int8 words", f"{ff}", mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
     wq, wq2 = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    # ffn_gate alone, ffn_down, attn_output: on both kernels (by default the per-threadgroup one,
+    # since none is the GLU)
+    singles = ((wq, x), (random_blocks(D, ff, T.Q4_K, rng), h), (random_blocks(D, qw, T.Q4_K, rng), randn(rng, 1, qw)))
+    for w, y in singles:
+        rows, k, sel = w.shape[0], y.shape[-1], some(w.shape[0])
+        with env("MUSE_MLX_Q8_PRE", "all"):
+            got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
+        compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {geo}", got[..., sel], oracle(y, w[sel]),
+                note=f"{sel.size} rows")
+        got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
+        compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], oracle(y, w[sel], 32),
+                note=f"{sel.size} rows")
     sel = some(ff)
-    with env("MUSE_MLX_Q8_PRE", "all"):
-        got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])
-    compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{ff}x{D} at {geo}", got[..., sel], oracle(x, wq[sel]),
-            note=f"{sel.size} rows")
-    got = gpu(K.mul_mv_q8, x, [(wq, "q4_K")])  # the default: not the GLU, so the per-threadgroup kernel
-    compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{ff}x{D}", got[..., sel], oracle(x, wq[sel], 32),
-            note=f"{sel.size} rows")
     got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
     want = ffn.silu_oracle(oracle(x, wq[sel]), oracle(x, wq2[sel]), exp=probe("exp"))
     compare("mul_mv_q4_K_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {geo}", got[..., sel], want, note="device exp")
@@ -310,16 +315,6 @@ def check_q8(rng, quick):
         got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
     want = ffn.silu_oracle(oracle(x, wq[sel], 32), oracle(x, wq2[sel], 32), exp=probe("exp"))
     compare("mul_mv_q4_K_q8_multi glu (opt-in mv_q8)", f"{ff}x{D} silu", got[..., sel], want, note="device exp")
-    for rows, k in ((D, ff), (D, qw)):  # ffn_down, attn_output: both kernels
-        w, sel = random_blocks(rows, k, T.Q4_K, rng), some(rows)
-        y = h if k == ff else randn(rng, 1, k)
-        with env("MUSE_MLX_Q8_PRE", "all"):
-            got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
-        compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {geo}", got[..., sel], oracle(y, w[sel]),
-                note=f"{sel.size} rows")
-        got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
-        compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], oracle(y, w[sel], 32),
-                note=f"{sel.size} rows")
     q4 = [random_blocks(r, D, T.Q4_K, rng) for r in (qw, kvw, kvw, qw)]
     with env("MUSE_MLX_Q8_PRE", "all"):
         got = gpu(K.mul_mv_q8, x, [(w, "q4_K") for w in q4])

@@ -369,12 +369,10 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
         rec(f"ffn_gate+up q6_K {FF}x{D} silu", K.mul_mv_glu, y_d, q6(FF, D), q6(FF, D), "q6_K", "silu", geometry=g)
-    for g in q8_geoms:  # a mix with Q6_K: the kernel that quantizes per threadgroup
-        with env("MUSE_MLX_Q8_GEOMETRY", g):
+    for g in q8_geoms:  # the kernel that quantizes per threadgroup: a mix with Q6_K, and by default
+        with env("MUSE_MLX_Q8_GEOMETRY", g):  # every all-Q4_K call but the GLU
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
-    for g in q8_geoms:  # the other all-Q4_K calls, on the same kernel by default
-        with env("MUSE_MLX_Q8_GEOMETRY", g):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
     for g in q8_pre_geoms:  # the GLU (and, forced, the rest): activations quantized once, then mul_mv_q4_K_q8_pre
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g), env("MUSE_MLX_Q8_PRE", "all"):
