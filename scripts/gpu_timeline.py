@@ -9,6 +9,11 @@ pipelined with ``mx.async_eval``), with CUPTI's activity API recording what the 
 prints, per token: the span on the GPU, the time inside kernels, the gaps between them, and
 per kernel the count, the mean and the total; ``--json`` writes the records too.
 
+``--host`` also records the host's side: every CUDA runtime and driver call MLX makes (its name,
+count and time, e.g. how long graph instantiation and launch take) and MLX's own NVTX ranges
+(``CustomKernel::eval_gpu``, ...), through CUPTI as NVTX's injection library. CUPTI adds its own
+cost to every recorded call, so the host's wall clock is slower with it.
+
 ``--prefill N`` traces one prefill of N tokens first (``--prefill-mode``, as ``generate`` runs it;
 ``--prefill-wait-ab`` also with each group of layers waited for before the next is built), its
 figures per whole prefill; ``--ctx ""`` then skips the decode.
@@ -38,11 +43,17 @@ import sys
 import time
 from pathlib import Path
 
-KIND_MEMCPY, KIND_MEMSET, KIND_CONCURRENT_KERNEL = 1, 2, 10
+KIND_MEMCPY, KIND_MEMSET, KIND_DRIVER, KIND_RUNTIME, KIND_CONCURRENT_KERNEL, KIND_MARKER = 1, 2, 4, 5, 10, 12
+GPU_KINDS = (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET)
+HOST_KINDS = (KIND_DRIVER, KIND_RUNTIME, KIND_MARKER)
 # byte offsets in the activity records (cupti_activity.h, CUDA 13.0; checked with offsetof)
 _START, _END = 16, 24
 _KERNEL_STREAM, _KERNEL_GRID, _KERNEL_BLOCK, _KERNEL_NAME = 48, 52, 64, 104
 _COPY_STREAM, _COPY_BYTES = 40, 8
+_API_CBID, _API_START, _API_END, _API_THREAD = 4, 8, 16, 28  # CUpti_ActivityAPI
+_MARKER_FLAGS, _MARKER_TIME, _MARKER_ID, _MARKER_NAME = 4, 8, 16, 40  # CUpti_ActivityMarker2
+MARKER_START, MARKER_END = 1 << 1, 1 << 2  # CUPTI_ACTIVITY_FLAG_MARKER_{START,END}
+DOMAIN_OF_KIND = {KIND_DRIVER: 1, KIND_RUNTIME: 2}  # CUPTI_CB_DOMAIN_{DRIVER,RUNTIME}_API
 _BUFFER_BYTES = 8 << 20
 
 
@@ -69,10 +80,14 @@ class KernelTimeline:
 
     ``records`` is a list of dicts: ``kind`` ("kernel", "memcpy", "memset"), ``name``,
     ``start``/``end`` (ns, the GPU's timestamps on CPU time), ``stream`` and, for kernels,
-    ``grid``/``block``."""
+    ``grid``/``block``. ``host=True`` also fills ``host_records``: the CUDA runtime and driver
+    calls ("runtime", "driver": ``name``, ``start``/``end``, ``thread``) and NVTX range ends and
+    starts ("marker": ``id``, ``flags``, ``time``, ``name``); see ``enable_nvtx``."""
 
-    def __init__(self, library: str | None = None):
+    def __init__(self, library: str | None = None, host: bool = False):
         path = find_cupti(library)
+        self.kinds = GPU_KINDS + (HOST_KINDS if host else ())
+        self.host_records: list[dict] = []
         try:
             self._lib = ctypes.CDLL(path)
         except OSError as e:
@@ -102,21 +117,42 @@ class KernelTimeline:
         record = ctypes.c_void_p()
         while self._lib.cuptiActivityGetNextRecord(ctypes.c_void_p(buffer), ctypes.c_size_t(valid),
                                                    ctypes.byref(record)) == 0:
-            self.records.append(parse_record(record.value))
+            r = parse_record(record.value)
+            if r is not None:
+                (self.records if r["kind"] in ("kernel", "memcpy", "memset") else self.host_records).append(r)
         self._buffers.pop(buffer, None)
+
+    def api_name(self, kind: int, cbid: int) -> str:
+        """The name of runtime or driver call ``cbid`` (e.g. "cudaGraphLaunch")."""
+        name = ctypes.c_char_p()
+        if self._lib.cuptiGetCallbackName(DOMAIN_OF_KIND[kind], cbid, ctypes.byref(name)) != 0 or not name.value:
+            return f"{'driver' if kind == KIND_DRIVER else 'runtime'} call {cbid}"
+        return name.value.decode(errors="replace")
 
     def __enter__(self):
         self._check(self._lib.cuptiActivityRegisterCallbacks(self._request, self._complete), "cuptiActivityRegisterCallbacks")
-        for kind in (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET):
+        for kind in self.kinds:
             self._check(self._lib.cuptiActivityEnable(kind), f"cuptiActivityEnable({kind})")
         return self
 
     def __exit__(self, *exc):
         self._check(self._lib.cuptiActivityFlushAll(1), "cuptiActivityFlushAll")  # 1: forced flush
-        for kind in (KIND_CONCURRENT_KERNEL, KIND_MEMCPY, KIND_MEMSET):
+        for kind in self.kinds:
             self._lib.cuptiActivityDisable(kind)
-        self.records = [r for r in self.records if r is not None]
+        names: dict[tuple, str] = {}
+        for r in self.host_records:
+            if "cbid" in r:
+                key = (KIND_DRIVER if r["kind"] == "driver" else KIND_RUNTIME, r.pop("cbid"))
+                if key not in names:
+                    names[key] = self.api_name(*key)
+                r["name"] = names[key]
         return False
+
+
+def enable_nvtx(library: str | None = None) -> None:
+    """Make CUPTI NVTX's injection library, so that MLX's NVTX ranges become marker records.
+    NVTX reads the variable at its first call, so this must run before MLX's first GPU work."""
+    os.environ["NVTX_INJECTION64_PATH"] = find_cupti(library)
 
 
 def parse_record(addr: int) -> dict | None:
@@ -133,6 +169,13 @@ def parse_record(addr: int) -> dict | None:
         what = "memcpy" if kind == KIND_MEMCPY else "memset"
         return dict(kind=what, name=f"{what} {u64(_COPY_BYTES)} B", start=u64(_START), end=u64(_END),
                     stream=u32(_COPY_STREAM))
+    if kind in (KIND_DRIVER, KIND_RUNTIME):
+        return dict(kind="driver" if kind == KIND_DRIVER else "runtime", cbid=u32(_API_CBID), start=u64(_API_START),
+                    end=u64(_API_END), thread=u32(_API_THREAD))
+    if kind == KIND_MARKER:
+        name = ctypes.c_char_p.from_address(addr + _MARKER_NAME).value
+        return dict(kind="marker", id=u32(_MARKER_ID), flags=u32(_MARKER_FLAGS), time=u64(_MARKER_TIME),
+                    name=name.decode(errors="replace") if name else None)
     return None
 
 
@@ -210,6 +253,51 @@ def summarize(records: list[dict], tokens: int) -> dict:
     )
 
 
+def host_ranges(records: list[dict]) -> list[dict]:
+    """The host records as intervals: API calls as they are, NVTX ranges paired by id (a start
+    carries the name, its end the same id). A range whose start or end is missing is dropped."""
+    out = [dict(kind=r["kind"], name=r["name"], start=r["start"], end=r["end"]) for r in records
+           if r["kind"] in ("runtime", "driver")]
+    open_ranges: dict[int, dict] = {}
+    for r in sorted((r for r in records if r["kind"] == "marker"), key=lambda r: r["time"]):
+        if r["flags"] & MARKER_START:
+            open_ranges[r["id"]] = r
+        elif r["flags"] & MARKER_END and r["id"] in open_ranges:
+            first = open_ranges.pop(r["id"])
+            out.append(dict(kind="nvtx", name=first["name"] or "?", start=first["time"], end=r["time"]))
+    return out
+
+
+def summarize_host(records: list[dict], units: int, wall_ns: float) -> dict:
+    """Per name (NVTX range or API call): count and total host time per unit, and each name's
+    share of the host's wall clock (NVTX ranges nest, and API calls run inside them)."""
+    by_name: dict[tuple, dict] = {}
+    for r in host_ranges(records):
+        e = by_name.setdefault((r["kind"], r["name"]), dict(kind=r["kind"], name=r["name"], count=0, total_ns=0))
+        e["count"] += 1
+        e["total_ns"] += r["end"] - r["start"]
+    rows = sorted(by_name.values(), key=lambda e: -e["total_ns"])
+    for e in rows:
+        e["per_unit"] = e["count"] / units
+        e["mean_us"] = e["total_ns"] / e["count"] / 1e3
+        e["ms_per_unit"] = e["total_ns"] / units / 1e6
+        e["share_of_wall"] = e["total_ns"] / wall_ns if wall_ns else 0.0
+    return dict(units=units, wall_ms_per_unit=wall_ns / units / 1e6, by_name=rows)
+
+
+def print_host_summary(h: dict, unit: str = "token", top: int = 25) -> None:
+    print(f"  host, per {unit} (wall clock {h['wall_ms_per_unit']:.3f} ms; NVTX ranges include the calls inside them):")
+    print(f"    {'kind':7s} {'name':46s} {'per ' + unit:>9s} {'mean us':>9s} {'ms/' + unit:>9s} {'of wall':>8s}")
+    for e in h["by_name"][:top]:
+        print(f"    {e['kind']:7s} {e['name'][:46]:46s} {e['per_unit']:9.2f} {e['mean_us']:9.2f} {e['ms_per_unit']:9.3f} "
+              f"{100 * e['share_of_wall']:7.1f}%")
+    if len(h["by_name"]) > top:
+        rest = h["by_name"][top:]
+        print(f"    ({len(rest)} more names: {sum(e['ms_per_unit'] for e in rest):.3f} ms per {unit} together)")
+    if not any(e["kind"] == "nvtx" for e in h["by_name"]):
+        print("    (no NVTX ranges were recorded: this MLX build may have none, or NVTX was set up before --host)")
+
+
 def print_summary(s: dict, label: str, unit: str = "token") -> None:
     """``unit``: what one of ``s['tokens']`` is ("prefill": the figures are per whole prefill)."""
     print(f"\n{label}: {s['records']} GPU records over {s['tokens']} {unit}s")
@@ -229,8 +317,9 @@ def print_summary(s: dict, label: str, unit: str = "token") -> None:
               f"per {unit} together)")
 
 
-def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, library: str | None):
-    """Records of ``tokens`` decoded tokens after ``warmup`` untimed ones (bench.py's loop)."""
+def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, library: str | None, host: bool = False):
+    """The timeline of ``tokens`` decoded tokens after ``warmup`` untimed ones (bench.py's loop),
+    and the host's wall clock over them."""
     import mlx.core as mx
     import numpy as np
     from bench import decode_tokens, fill_cache, greedy_step
@@ -243,17 +332,18 @@ def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, libr
         y = step(y.reshape(1))
     y.item()
     mx.synchronize()
-    with KernelTimeline(library) as tl:
+    with KernelTimeline(library, host) as tl:
         t0 = time.perf_counter()
         decode_tokens(step, y, tokens)
         mx.synchronize()
         wall = time.perf_counter() - t0
-    return tl.records, wall
+    return tl, wall
 
 
-def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None):
-    """Records of one ``n``-token prefill in ``mode`` (a warm-up prefill first), as generate runs it;
-    ``pipeline=False``: each group of layers waited for before the next is built."""
+def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None, host: bool = False):
+    """The timeline of one ``n``-token prefill in ``mode`` (a warm-up prefill first), as generate
+    runs it, and its wall clock; ``pipeline=False``: each group of layers waited for before the
+    next is built."""
     import mlx.core as mx
     import numpy as np
     from muse_mlx.generate import batched_prefill
@@ -265,13 +355,13 @@ def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None)
             model.prepare_decode(cache, n + 8)
             mx.eval([c.kv for c in cache])
             mx.synchronize()
-            with KernelTimeline(library) if record else contextlib.nullcontext() as tl:
+            with KernelTimeline(library, host) if record else contextlib.nullcontext() as tl:
                 t0 = time.perf_counter()
                 mx.eval(model(prompt, cache, last_only=True), [c.kv for c in cache])
                 mx.synchronize()
                 wall = time.perf_counter() - t0
             del cache
-    return tl.records, wall
+    return tl, wall
 
 
 def trace_chain(n: int, library: str | None):
@@ -306,6 +396,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
     ap.add_argument("--prefill-wait-ab", action="store_true",
                     help="trace each prefill also waiting for each group of layers before building the next")
+    ap.add_argument("--host", action="store_true", help="also record the host's CUDA calls and MLX's NVTX ranges "
+                    "(slows the host a little)")
     ap.add_argument("--cupti", default=None, help="path of libcupti.so (default: MUSE_MLX_CUPTI or a search)")
     ap.add_argument("--json", default=None, help="write the summaries and raw records to this file")
     args = ap.parse_args(argv)
@@ -326,6 +418,8 @@ def main(argv=None) -> int:
     except CuptiError as e:
         print(e, file=sys.stderr)
         return 2
+    if args.host:
+        enable_nvtx(args.cupti)
     path = Path(args.file)
     ensure_synthetic(path, MUSE_GLIMMER_30B, RELEASE_VOCAB, "q4_k_m", 0)
     flag_sets = bench.flag_sets(args.route, args.flags)
@@ -342,15 +436,19 @@ def main(argv=None) -> int:
     if args.prefill:
         for mode in args.prefill_mode.split(","):
             for pipeline in (True, False) if args.prefill_wait_ab else (True,):
-                records, wall = trace_prefill(model, args.prefill, mode, pipeline, args.cupti)
+                tl, wall = trace_prefill(model, args.prefill, mode, pipeline, args.cupti, args.host)
                 label = (f"{args.route}, one prefill of {args.prefill} tokens ({mode}"
                          + ("" if pipeline else ", waiting for each group of layers") + ")")
-                s = summarize(records, 1)
+                s = summarize(tl.records, 1)
                 s["wall_ms"] = wall * 1e3
                 print_summary(s, label, unit="prefill")
                 print(f"  host wall clock: {wall * 1e3:.1f} ms = {args.prefill / wall:.0f} tok/s")
-                out["cases"].append(dict(label=label, route=args.route, prefill=args.prefill, mode=mode,
-                                         pipeline=pipeline, summary=s, records=records))
+                case = dict(label=label, route=args.route, prefill=args.prefill, mode=mode, pipeline=pipeline,
+                            summary=s, records=tl.records)
+                if args.host:
+                    case["host"] = summarize_host(tl.host_records, 1, wall * 1e9)
+                    print_host_summary(case["host"], unit="prefill")
+                out["cases"].append(case)
                 mx.clear_cache()
     cases = [(flags, g, ctx) for flags in dict.fromkeys(flag_sets) for g in geometries
              for ctx in (int(c) for c in args.ctx.split(",") if c)]
@@ -358,17 +456,21 @@ def main(argv=None) -> int:
         model.route.flags = frozenset(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
-        records, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti)
+        tl, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti, args.host)
         general = not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), model.make_cache())
         label = (f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
                  + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else "")
                  + (" (the general forward: this route has no decode path, nothing is compiled)" if general else ""))
-        s = summarize(records, args.tokens)
+        s = summarize(tl.records, args.tokens)
         s["wall_ms_per_token"] = wall / args.tokens * 1e3
         print_summary(s, label)
         print(f"  host wall clock: {s['wall_ms_per_token']:.3f} ms per token")
-        out["cases"].append(dict(label=label, route=args.route, flags=list(flags), ctx=ctx, geometry=g,
-                                 summary=s, records=records))
+        case = dict(label=label, route=args.route, flags=list(flags), ctx=ctx, geometry=g, summary=s,
+                    records=tl.records)
+        if args.host:
+            case["host"] = summarize_host(tl.host_records, args.tokens, wall * 1e9)
+            print_host_summary(case["host"])
+        out["cases"].append(case)
         mx.clear_cache()
     if args.json:
         Path(args.json).write_text(json.dumps(out))

@@ -79,3 +79,46 @@ def test_script_refuses_without_cuda(capsys, tmp_path):
         pytest.skip("this machine has CUDA")
     assert gt.main(["--file", str(tmp_path / "none.gguf")]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_api_and_marker_records_are_read_at_cuptis_offsets():
+    buf = ctypes.create_string_buffer(64)
+    struct.pack_into("<II", buf, 0, gt.KIND_RUNTIME, 311)
+    struct.pack_into("<QQ", buf, gt._API_START, 1000, 1750)
+    struct.pack_into("<I", buf, gt._API_THREAD, 42)
+    assert gt.parse_record(ctypes.addressof(buf)) == dict(kind="runtime", cbid=311, start=1000, end=1750, thread=42)
+    name = ctypes.create_string_buffer(b"CustomKernel::eval_gpu")
+    buf = ctypes.create_string_buffer(64)
+    struct.pack_into("<II", buf, 0, gt.KIND_MARKER, gt.MARKER_START)
+    struct.pack_into("<QI", buf, gt._MARKER_TIME, 5000, 9)
+    struct.pack_into("<Q", buf, gt._MARKER_NAME, ctypes.addressof(name))
+    assert gt.parse_record(ctypes.addressof(buf)) == dict(kind="marker", id=9, flags=gt.MARKER_START, time=5000,
+                                                          name="CustomKernel::eval_gpu")
+
+
+def test_host_summary_pairs_ranges_by_id_and_counts_calls():
+    def marker(i, flags, t, name=None):
+        return dict(kind="marker", id=i, flags=flags, time=t, name=name)
+
+    records = [
+        marker(1, gt.MARKER_START, 0, "CustomKernel::eval_gpu"), marker(1, gt.MARKER_END, 4_000),
+        marker(2, gt.MARKER_START, 5_000, "CustomKernel::eval_gpu"),
+        marker(3, gt.MARKER_START, 6_000, "Matmul::eval_gpu"), marker(3, gt.MARKER_END, 9_000),
+        marker(2, gt.MARKER_END, 11_000),  # 2 encloses 3: ranges nest
+        marker(4, gt.MARKER_START, 12_000, "never closed"),
+        marker(5, gt.MARKER_END, 13_000),  # its start was before the recording: dropped
+        dict(kind="runtime", name="cudaGraphLaunch", start=1_000, end=3_000, thread=1),
+        dict(kind="runtime", name="cudaGraphLaunch", start=7_000, end=8_000, thread=1),
+        dict(kind="driver", name="cuGraphLaunch", start=7_100, end=7_900, thread=1),
+    ]
+    h = gt.summarize_host(records, units=2, wall_ns=20_000)
+    rows = {(e["kind"], e["name"]): e for e in h["by_name"]}
+    assert set(rows) == {("nvtx", "CustomKernel::eval_gpu"), ("nvtx", "Matmul::eval_gpu"),
+                         ("runtime", "cudaGraphLaunch"), ("driver", "cuGraphLaunch")}
+    ck = rows[("nvtx", "CustomKernel::eval_gpu")]
+    assert ck["count"] == 2 and ck["total_ns"] == 4_000 + 6_000 and ck["per_unit"] == 1.0
+    assert ck["ms_per_unit"] == pytest.approx(5e-3) and ck["share_of_wall"] == pytest.approx(0.5)
+    launch = rows[("runtime", "cudaGraphLaunch")]
+    assert launch["count"] == 2 and launch["mean_us"] == pytest.approx(1.5)
+    assert [e["name"] for e in h["by_name"]][0] == "CustomKernel::eval_gpu"  # by total time
+    assert h["wall_ms_per_unit"] == pytest.approx(0.01)
