@@ -126,23 +126,28 @@ def generate_step(
 
 
 @contextlib.contextmanager
-def batched_prefill(route, mode: str = "batched", layer_sync: int | None = None, pipeline: bool = True):
+def batched_prefill(route, mode: str = "batched", layer_sync: int | None = None, pipeline: bool = True,
+                    matmul_commits: bool | None = None):
     """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`),
     evaluated every ``layer_sync`` layers (default: the mode's) and, unless ``pipeline`` is False,
-    each group started before the previous one is waited for; a route without a batched prefill
-    of its own (stock) is left as it is."""
+    each group started before the previous one is waited for; ``matmul_commits``: each matmul in
+    a CUDA graph of its own (default: for the float32 mode on MLX's CUDA backend, see
+    ``Route.matmul_commits``). A route without a batched prefill of its own (stock) is left as it is."""
     if not route.batches_prefill:
         yield
         return
-    before = route.batched, route.layer_sync, route.layer_pipeline
+    before = route.batched, route.layer_sync, route.layer_pipeline, route.matmul_commits
     route.batched, route.layer_sync = PREFILL_MODES[mode]
     if layer_sync is not None:
         route.layer_sync = layer_sync
     route.layer_pipeline = pipeline
+    if matmul_commits is None:
+        matmul_commits = route.batched == mx.float32 and mx.default_device() == mx.gpu and mx.cuda.is_available()
+    route.matmul_commits = matmul_commits
     try:
         yield
     finally:
-        route.batched, route.layer_sync, route.layer_pipeline = before
+        route.batched, route.layer_sync, route.layer_pipeline, route.matmul_commits = before
 
 
 def _raise_nonfinite(model, tokens: list[int], n: int):

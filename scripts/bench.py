@@ -463,15 +463,16 @@ def dispatch_count(model, ctx: int, rng) -> dict:
 
 
 def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched", layer_sync: int | None = None,
-                 pipeline: bool = True):
+                 pipeline: bool = True, matmul_commits: bool | None = None):
     """(median tokens/s, peak bytes during the prefill) of an ``n``-token prompt; ``layer_sync``:
     evaluate every this many layers (0: one graph; default: the mode's, as generate does);
-    ``pipeline=False``: wait for each group before building the next (generate.batched_prefill)."""
+    ``pipeline=False``: wait for each group before building the next; ``matmul_commits``: each
+    matmul in a CUDA graph of its own (default: as generate does; see generate.batched_prefill)."""
     prompt = mx.array(rng.integers(0, vocab, n))
     rates = []
     mx.clear_cache()
     mx.reset_peak_memory()
-    with batched_prefill(model.route, mode, layer_sync, pipeline):
+    with batched_prefill(model.route, mode, layer_sync, pipeline, matmul_commits):
         for run in range(runs + 1):
             cache = model.make_cache()
             model.prepare_decode(cache, n + 8)
@@ -512,6 +513,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-sync-ab", action="store_true",
                     help="also time each prefill evaluated every 1, 4 and 13 layers and as one graph, and "
                          "every 1 and 4 layers waiting for each group (besides the mode's default, generate's)")
+    ap.add_argument("--prefill-commit-ab", action="store_true",
+                    help="also time each prefill with and without every matmul in a CUDA graph of its own "
+                    "(generate's default: with, for the float32 mode on CUDA)")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "
                          "q8 matvecs per geometry; sets the fastest) (default: %(default)s)")
@@ -628,15 +632,19 @@ def main(argv=None) -> int:
             if args.prefill and (not flags or flags == ("tail_32sg",)):
                 modes = args.prefill_modes.split(",") if route == "pinned" and not flags else ["batched"]
                 entry["prefill_tok_s"], entry["prefill_peak_bytes"] = {}, {}
-                syncs = [(None, True)]
+                syncs = [(None, True, None)]
                 if args.prefill_sync_ab and model.route.batches_prefill:
-                    syncs += [(1, True), (1, False), (4, True), (4, False), (13, True), (0, True)]
+                    syncs += [(s, p, None) for s, p in ((1, True), (1, False), (4, True), (4, False), (13, True),
+                                                        (0, True))]
+                if args.prefill_commit_ab and model.route.batches_prefill:
+                    syncs += [(None, True, True), (None, True, False)]
                 for mode in modes:
-                    for sync, pipeline in syncs:
+                    for sync, pipeline, commits in syncs:
                         key = mode + ("" if sync is None else f" (eval every {sync} layers)" if sync else " (one graph)")
                         key += "" if pipeline else " (waiting for each)"
+                        key += "" if commits is None else " (a graph per matmul)" if commits else " (no graph per matmul)"
                         rate, peak = prefill_rate(model, args.prefill, max(1, args.runs - 1), rng, vocab, mode, sync,
-                                                  pipeline)
+                                                  pipeline, commits)
                         entry["prefill_tok_s"][key], entry["prefill_peak_bytes"][key] = rate, peak
                         log(f"    prefill {args.prefill} ({key}): {rate:.0f} tok/s, peak memory "
                             f"{peak / 1e9:.1f} GB = {peak / file_bytes:.2f} x file")

@@ -340,16 +340,17 @@ def trace_decode(model, ctx: int, tokens: int, warmup: int, compiled: bool, libr
     return tl, wall
 
 
-def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None, host: bool = False):
+def trace_prefill(model, n: int, mode: str, pipeline: bool, library: str | None, host: bool = False,
+                  matmul_commits: bool | None = None):
     """The timeline of one ``n``-token prefill in ``mode`` (a warm-up prefill first), as generate
     runs it, and its wall clock; ``pipeline=False``: each group of layers waited for before the
-    next is built."""
+    next is built; ``matmul_commits``: see generate.batched_prefill (default: generate's)."""
     import mlx.core as mx
     import numpy as np
     from muse_mlx.generate import batched_prefill
 
     prompt = mx.array(np.random.default_rng(0).integers(0, model.cfg.vocab_size, n))[None]
-    with batched_prefill(model.route, mode, pipeline=pipeline):
+    with batched_prefill(model.route, mode, pipeline=pipeline, matmul_commits=matmul_commits):
         for record in (False, True):
             cache = model.make_cache()
             model.prepare_decode(cache, n + 8)
@@ -396,6 +397,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
     ap.add_argument("--prefill-wait-ab", action="store_true",
                     help="trace each prefill also waiting for each group of layers before building the next")
+    ap.add_argument("--prefill-commit-ab", action="store_true",
+                    help="trace each prefill also with every matmul in a CUDA graph of its own and without "
+                    "(generate's default: with, for the float32 mode on CUDA)")
     ap.add_argument("--host", action="store_true", help="also record the host's CUDA calls and MLX's NVTX ranges "
                     "(slows the host a little)")
     ap.add_argument("--cupti", default=None, help="path of libcupti.so (default: MUSE_MLX_CUPTI or a search)")
@@ -434,17 +438,21 @@ def main(argv=None) -> int:
             return 2
     model = load_model(path, args.route, progress=False)
     if args.prefill:
+        schedules = [(True, None)] + ([(False, None)] if args.prefill_wait_ab else [])
+        schedules += [(True, True), (True, False)] if args.prefill_commit_ab else []
         for mode in args.prefill_mode.split(","):
-            for pipeline in (True, False) if args.prefill_wait_ab else (True,):
-                tl, wall = trace_prefill(model, args.prefill, mode, pipeline, args.cupti, args.host)
+            for pipeline, commits in schedules:
+                tl, wall = trace_prefill(model, args.prefill, mode, pipeline, args.cupti, args.host, commits)
                 label = (f"{args.route}, one prefill of {args.prefill} tokens ({mode}"
-                         + ("" if pipeline else ", waiting for each group of layers") + ")")
+                         + ("" if pipeline else ", waiting for each group of layers")
+                         + ("" if commits is None else ", a graph per matmul" if commits else ", no graph per matmul")
+                         + ")")
                 s = summarize(tl.records, 1)
                 s["wall_ms"] = wall * 1e3
                 print_summary(s, label, unit="prefill")
                 print(f"  host wall clock: {wall * 1e3:.1f} ms = {args.prefill / wall:.0f} tok/s")
                 case = dict(label=label, route=args.route, prefill=args.prefill, mode=mode, pipeline=pipeline,
-                            summary=s, records=tl.records)
+                            matmul_commits=commits, summary=s, records=tl.records)
                 if args.host:
                     case["host"] = summarize_host(tl.host_records, 1, wall * 1e9)
                     print_host_summary(case["host"], unit="prefill")

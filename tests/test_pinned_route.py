@@ -152,14 +152,18 @@ def test_f16_prefill_matmul_is_a_half_rounded_product(qtype):
 
 def test_batched_prefill_evaluated_layer_by_layer_gives_the_same_bits(tiny):
     """generate evaluates a batched prefill every few layers (to bound its memory), each group
-    started before the previous one is waited for: a schedule, not a change of arithmetic, so every
-    period, pipelined or not, gives the one-graph logits bit for bit."""
+    started before the previous one is waited for, and on CUDA every matmul committed on its own: a
+    schedule, not a change of arithmetic, so every period, pipelined or not, committed per matmul or
+    not, gives the one-graph logits bit for bit."""
     from muse_mlx.generate import batched_prefill
 
     model = load_model(tiny("muse-glimmer"), "pinned")
     out = {}
-    for period, pipeline in ((0, True), (1, True), (3, True), (1, False), (3, False)):
-        with batched_prefill(model.route, "batched", period, pipeline):
-            out[period, pipeline] = logits(model, TOKENS)
+    for period, pipeline, commits in ((0, True, False), (1, True, False), (3, True, False), (1, False, False),
+                                      (3, False, False), (1, True, True), (0, True, True)):
+        with batched_prefill(model.route, "batched", period, pipeline, commits):
+            assert model.route.matmul_commits == commits
+            out[period, pipeline, commits] = logits(model, TOKENS)
+        assert model.route.matmul_commits is False  # restored
     for key in out:
-        np.testing.assert_array_equal(out[0, True].view(np.uint64), out[key].view(np.uint64))
+        np.testing.assert_array_equal(out[0, True, False].view(np.uint64), out[key].view(np.uint64))
