@@ -132,17 +132,17 @@ def batched_prefill(route, mode: str = "batched", layer_sync: int | None = None,
     evaluated every ``layer_sync`` layers (default: the mode's) and, unless ``pipeline`` is False,
     each group started before the previous one is waited for; ``matmul_commits``: each matmul in
     a CUDA graph of its own (default: for the float32 mode on MLX's CUDA backend, see
-    ``Route.matmul_commits``). A route without a batched prefill of its own (stock) is left as it is."""
-    if not route.batches_prefill:
-        yield
-        return
+    ``Route.matmul_commits``). A route without a batched prefill of its own (stock) keeps its
+    matmuls and takes only ``matmul_commits`` (default: off)."""
     before = route.batched, route.layer_sync, route.layer_pipeline, route.matmul_commits
-    route.batched, route.layer_sync = PREFILL_MODES[mode]
-    if layer_sync is not None:
-        route.layer_sync = layer_sync
-    route.layer_pipeline = pipeline
+    if route.batches_prefill:
+        route.batched, route.layer_sync = PREFILL_MODES[mode]
+        if layer_sync is not None:
+            route.layer_sync = layer_sync
+        route.layer_pipeline = pipeline
     if matmul_commits is None:
-        matmul_commits = route.batched == mx.float32 and mx.default_device() == mx.gpu and mx.cuda.is_available()
+        matmul_commits = (route.batched is not None and route.batched == mx.float32 and mx.default_device() == mx.gpu
+                          and mx.cuda.is_available())
     route.matmul_commits = matmul_commits
     try:
         yield

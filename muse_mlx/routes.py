@@ -143,16 +143,23 @@ class StockRoute(Route):
         return mx.fast.rms_norm(x, norm.gamma, norm.eps)
 
     def linear(self, x, w):
+        commit = self.matmul_commits and x.size // x.shape[-1] > 1  # see Route.matmul_commits
+        if commit:
+            mx.async_eval(x)
         if w.form in ("affine", "affine_hi_lo"):
             # one quantized_matmul per form, summed in order (Q6_K: hi, then + lo)
             forms = w.affine_forms()
             self.count("quantized_matmul", len(forms))
             if len(forms) > 1:
                 self.count("add", len(forms) - 1)
-            return reduce(operator.add, (mx.quantized_matmul(x, q, s, b, transpose=True, group_size=w.group_size,
-                                                             bits=bits) for q, s, b, bits in forms))
-        self.count("dequantize_matmul" if w.form == "blocks" else "matmul")
-        return x @ w.dequantized().T
+            y = reduce(operator.add, (mx.quantized_matmul(x, q, s, b, transpose=True, group_size=w.group_size,
+                                                          bits=bits) for q, s, b, bits in forms))
+        else:
+            self.count("dequantize_matmul" if w.form == "blocks" else "matmul")
+            y = x @ w.dequantized().T
+        if commit:
+            mx.async_eval(y)
+        return y
 
     def glu(self, gate, up, activation):
         self.count(activation + "_mul", 2)

@@ -650,7 +650,7 @@ def main(argv=None) -> int:
                 if args.prefill_sync_ab and model.route.batches_prefill:
                     syncs += [(s, p, None) for s, p in ((1, True), (1, False), (4, True), (4, False), (13, True),
                                                         (0, True))]
-                if args.prefill_commit_ab and model.route.batches_prefill:
+                if args.prefill_commit_ab:  # the stock route too: its matmuls, committed one by one or not
                     syncs += [(None, True, True), (None, True, False)]
                 for mode in modes:
                     for sync, pipeline, commits in syncs:

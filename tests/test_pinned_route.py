@@ -167,3 +167,19 @@ def test_batched_prefill_evaluated_layer_by_layer_gives_the_same_bits(tiny):
         assert model.route.matmul_commits is False  # restored
     for key in out:
         np.testing.assert_array_equal(out[0, True, False].view(np.uint64), out[key].view(np.uint64))
+
+
+def test_stock_prefill_committed_per_matmul_gives_the_same_bits(tiny):
+    """The stock route keeps MLX's matmuls in a prefill; committing each one on its own (the CUDA
+    graph workaround, off by default there) changes when they run, not what they compute."""
+    from muse_mlx.generate import batched_prefill
+
+    model = load_model(tiny("muse-glimmer"), "stock")
+    plain = logits(model, TOKENS)
+    with batched_prefill(model.route, "batched", matmul_commits=True):
+        assert model.route.matmul_commits and model.route.batched is None  # stock has no batched mode
+        committed = logits(model, TOKENS)
+    assert model.route.matmul_commits is False
+    with batched_prefill(model.route):
+        assert model.route.matmul_commits is False  # the default for stock
+    np.testing.assert_array_equal(plain.view(np.uint32), committed.view(np.uint32))
