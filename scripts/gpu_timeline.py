@@ -10,9 +10,10 @@ prints, per token: the span on the GPU, the time inside kernels, the gaps betwee
 per kernel the count, the mean and the total; ``--json`` writes the records too.
 
 ``--host`` also records the host's side: every CUDA runtime and driver call MLX makes (its name,
-count and time, e.g. how long graph instantiation and launch take) and MLX's own NVTX ranges
-(``CustomKernel::eval_gpu``, ...), through CUPTI as NVTX's injection library. CUPTI adds its own
-cost to every recorded call, so the host's wall clock is slower with it.
+count and time, e.g. how long graph instantiation and launch take) and, where the MLX build emits
+them, its NVTX ranges (``CustomKernel::eval_gpu``, ...), through CUPTI as NVTX's injection library
+(none came through from MLX 0.32.4's CUDA wheel). CUPTI adds its own cost to every recorded call,
+so the host's wall clock is slower with it.
 
 ``--prefill N`` traces one prefill of N tokens first (``--prefill-mode``, as ``generate`` runs it;
 ``--prefill-wait-ab`` also with each group of layers waited for before the next is built), its
