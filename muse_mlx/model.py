@@ -173,7 +173,7 @@ class Block(nn.Module):
         else:
             o = self.attention(a, route, mask, cache, kv_dtype)
         post = self.post_attention_norm if self.cfg.post_norm_eps is not None else None
-        hidden, f = route.residual_norm(hidden, o, post, self.ffn_norm)
+        hidden, f = route.residual_norm(hidden, o, post, self.ffn_norm, feeds_ffn=True)
         hidden, f = tap("ffn_inp", hidden, il), tap("ffn_norm", f, il)
         mid = tap("ffn_act", route.ffn_gate_up(f, self.ffn_gate, self.ffn_up, self.cfg.activation), il)
         d = tap("ffn_out", route.linear(mid, self.ffn_down), il)

@@ -83,8 +83,10 @@ class Route:
     def norm(self, x: mx.array, norm: Norm) -> mx.array:
         raise NotImplementedError
 
-    def residual_norm(self, hidden: mx.array, src: mx.array, post: Norm | None, nxt: Norm):
+    def residual_norm(self, hidden: mx.array, src: mx.array, post: Norm | None, nxt: Norm,
+                      feeds_ffn: bool = False):
         """``hidden += post(src)`` (or ``+= src`` without a post norm); return ``(hidden, nxt(hidden))``.
+        ``feeds_ffn``: the result is the FFN's input (a route may prepare it for its FFN kernel).
 
         Unfused here: the route's own norm, an add, the norm again."""
         if post is not None:
@@ -190,6 +192,7 @@ class PinnedRoute(Route):
     def __init__(self, flags=frozenset()):
         super().__init__(flags)
         self.geometry = "llama"
+        self._q8_of = None  # (a tail's output, its q8 form) until the GLU after it takes them
         self._stock = StockRoute()
 
     def configure(self, cfg):
@@ -208,12 +211,20 @@ class PinnedRoute(Route):
         self.count("rms_norm_mul")
         return kernels.rms_norm_mul(x, norm.gamma, norm.eps, geometry=self.geometry)
 
-    def residual_norm(self, hidden, src, post, nxt):
+    def residual_norm(self, hidden, src, post, nxt, feeds_ffn=False):
         if post is None or "split_norm_f16" in self.flags:
             return super().residual_norm(hidden, src, post, nxt)
         if "tail_32sg" in self.flags:
             self.count("fused_norm_residual_rms_norm_32sg")
             return kernels.tail_32sg(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps)
+        if (feeds_ffn and "mv_q8" in self.flags and self.batched is None and src.shape[-1] % 32 == 0
+                and kernels.mul_mv.q8_from_tail()):
+            # the q8 GLU's activations come out of the tail too (ffn_gate_up takes them)
+            self.count("fused_norm_residual_rms_norm_batch_dual_eps_q8")
+            hidden, out, q8 = kernels.tail_dual_eps_q8(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps,
+                                                       self.geometry)
+            self._q8_of = (out, q8)
+            return hidden, out
         self.count("fused_norm_residual_rms_norm_batch_dual_eps")
         return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
 
@@ -293,9 +304,12 @@ class PinnedRoute(Route):
             self.count("ffn_q4k_gate_up_silu_4r2s")
             return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
         same = gate.form == up.form == "blocks" and gate.qtype == up.qtype and gate.qtype in _KIND
+        # x quantized by the tail that made it, if it did (the same bits as quantizing it here)
+        q8 = self._q8_of[1] if self._q8_of is not None and self._q8_of[0] is x else None
+        self._q8_of = None
         if "mv_q8" in self.flags and fusable and not self._batched(x):
             self.count("mul_mv_q4_K_q8 (glu)")
-            return kernels.mul_mv_q8(x, [(gate.weight, "q4_K"), (up.weight, "q4_K")], glu=activation)
+            return kernels.mul_mv_q8(x, [(gate.weight, "q4_K"), (up.weight, "q4_K")], glu=activation, q8=q8)
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")

@@ -429,8 +429,8 @@ def greedy_step(model, cache, capacity: int, compiled):
 
 def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dict:
     """Median tokens/s over ``runs`` runs of ``n_tokens`` greedy tokens, pipelined as generate does;
-    and, of the median run, the host's own time per token and its time waiting for the device (a
-    decode bound by the host waits for almost nothing)."""
+    and, of the median run, the time per token spent building and queueing the steps and waiting
+    in ``item()`` (see :func:`decode_tokens` for what each includes)."""
     runs_out = []
     for run in range(runs + 1):  # the first run warms up (kernel builds, the compile trace)
         cache = model.make_cache()

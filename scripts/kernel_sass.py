@@ -390,6 +390,7 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec("rms_norm_batch", K.rms_norm_batch, mx.zeros((64, D)), w)
         rec("rms_norm_f16", K.rms_norm_f16, x, w)
         rec("tail_dual_eps", K.tail_dual_eps, x, x, w, w, 1e-6, 1e-6)
+        rec("tail_dual_eps_q8 (mv_q8)", K.tail_dual_eps_q8, x, x, w, w, 1e-6, 1e-6)
         rec("tail_32sg", K.tail_32sg, x, x, w, w, 1e-6, 1e-6)
         rec("silu_mul", K.silu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))
         rec("gelu_mul", K.gelu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))

@@ -274,6 +274,29 @@ def test_q8_quantize_kernel():
 
 
 @emulator
+@pytest.mark.parametrize("n,geometry", [(6656, "seeds"), (1152, "llama"), (1152, "seeds")])
+def test_tail_with_q8_output(n, geometry):
+    """The tail before the q8 GLU: the exact tail's two outputs bit for bit, and its output
+    quantized as quantize_q8 quantizes it (a group of zeros among them: d = 0). 6,656 at 1,024
+    threads leaves part of the second pass idle, 1,152 at 512 threads part of the only one."""
+    from muse_mlx.kernels import norm_tail
+
+    h, s, w1 = arr(2, n), arr(2, n, scale=7), arr(n)
+    w2 = mx.concatenate([mx.zeros((32,)), arr(n - 32)])
+    hid, out, (qy, ds) = emulate_recorded(K.tail_dual_eps_q8, h, s, w1, w2, 1e-8, 1e-5, geometry)
+    want_hid, want_out = norm_tail.tail_dual_eps_oracle(h, s, w1, w2, 1e-8, 1e-5, K.norm_threads(n, geometry))
+    assert_bits_equal(hid, want_hid)
+    assert_bits_equal(out, want_out)
+    want_qy, want_ds = mul_mv.quantize_q8_rows(want_out, which="cpu")
+    assert np.array_equal(np.array(qy), np.array(want_qy))
+    assert_bits_equal(ds, want_ds)
+    assert float(ds[0]) == 0.0 and float(ds[2]) > 0.0
+    emulated_qy, emulated_ds = emulate_recorded(mul_mv.quantize_q8_rows, out)  # the kernel it replaces
+    assert np.array_equal(np.array(qy), np.array(emulated_qy))
+    assert_bits_equal(ds, emulated_ds)
+
+
+@emulator
 @pytest.mark.parametrize("geometry", ["1x4x8", "2x2x4x2", "1x2x16x3", "2x4x32", "3x1x8x4"])
 def test_q8_pre_kernel(geometry, monkeypatch):
     """The activations quantized once, then mul_mv_q4_K_q8_pre (the GLU's default; every all-Q4_K

@@ -237,6 +237,7 @@ def record_all_kernels():
     K.rms_norm_batch(x, w, which="record")
     K.rms_norm_f16(x, w, which="record")
     K.tail_dual_eps(x, x, w, w, 1e-8, 1e-5, which="record")
+    K.tail_dual_eps_q8(x, x, w, w, 1e-8, 1e-5, which="record")
     K.tail_32sg(x, x, w, w, 1e-8, 1e-5, which="record")
     K.mul_mv_q4_K(x, q4, which="record")
     K.mul_mv_q6_K(x, q6, which="record")

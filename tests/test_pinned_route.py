@@ -55,6 +55,30 @@ def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
     model(mx.array([[7]]), cache)
     d = model.route.dispatches
     assert d["mul_mv_q4_K_q8 (multi)"] == d["mul_mv_q4_K_q8 (glu)"] == model.cfg.n_layer
+    # the tail before each GLU writes the GLU's int8 activations too: one tail of the two per layer
+    assert d["fused_norm_residual_rms_norm_batch_dual_eps_q8"] == d["fused_norm_residual_rms_norm_batch_dual_eps"]
+    assert d["fused_norm_residual_rms_norm_batch_dual_eps_q8"] == model.cfg.n_layer
+    assert model.route._q8_of is None  # taken by the GLU
+
+
+def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
+    """MUSE_MLX_Q8_TAIL=0 quantizes the GLU's input in a dispatch of its own (quantize_q8), the
+    default in the tail before it: a dispatch fewer, the same decoded logits."""
+    model = load_model(tiny("muse-glimmer"), "pinned", ["mv_q8"])
+    model.kv_dtype = mx.float16
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MUSE_MLX_Q8_TAIL", mode)
+        cache = model.make_cache()
+        model(mx.array([TOKENS[:5]]), cache)
+        model.route.dispatches.clear()
+        out[mode] = np.array(model(mx.array([[7]]), cache))
+        tails = model.route.dispatches["fused_norm_residual_rms_norm_batch_dual_eps_q8"]
+        assert tails == (model.cfg.n_layer if mode == "1" else 0)
+    np.testing.assert_array_equal(out["0"].view(np.uint32), out["1"].view(np.uint32))
+    monkeypatch.setenv("MUSE_MLX_Q8_TAIL", "yes")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q8_TAIL"):
+        model(mx.array([[7]]), model.make_cache())
 
 
 @pytest.mark.parametrize("flag", ["tail_32sg", "ffn_4r2s"])

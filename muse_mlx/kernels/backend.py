@@ -5,6 +5,7 @@ sections by marker lines::
 
     // ==== header            helper functions shared by the family's kernels
     // ==== kernel: <name>    the body of one kernel (MLX generates the signature)
+    // ==== part: <name>      a fragment that a kernel appends to another's body (``parts``)
 
 On Apple Silicon a body goes to ``mx.fast.metal_kernel``; on NVIDIA the same text goes to
 ``mx.fast.cuda_kernel`` behind ``prelude.cuh``, which maps the Metal vocabulary the bodies
@@ -23,7 +24,7 @@ import mlx.core as mx
 
 HERE = Path(__file__).parent
 METAL_PRELUDE = "#define MUSE_FN inline\n"
-_MARK = re.compile(r"^// ==== (header|kernel: (\w+))\s*$", re.M)
+_MARK = re.compile(r"^// ==== (header|(?:kernel|part): (\w+))\s*$", re.M)
 # Metal address spaces -> CUDA: global and private memory need no word, threadgroup memory is
 # __shared__, and file-scope `constant` values become constexpr (see prelude.cuh).
 _ADDRESS_SPACE = re.compile(r"\b(device|thread|threadgroup|constant)\b(?=\s)")
@@ -131,16 +132,19 @@ class Kernel:
     recorded: list[dict] = []
 
     def __init__(self, family: str | None, name: str, inputs: list[str], outputs: list[str], body: str | None = None,
-                 uses: tuple[str, ...] = ()):
+                 uses: tuple[str, ...] = (), parts: tuple[str, ...] = ()):
         self.family, self.name = family, name
         self.inputs, self.outputs = inputs, outputs
         self._body = body  # a body given inline (the GPU check's probes) instead of a .metal section
         self.uses = uses  # other families whose header helpers the body calls
+        self.parts = parts  # sections whose texts, in order, are the body (default: the kernel's own)
         self._built = {}
 
     @property
     def body(self) -> str:
-        return self._body if self._body is not None else sections(self.family)[self.name]
+        if self._body is not None:
+            return self._body
+        return "".join(sections(self.family)[p] for p in self.parts or (self.name,))
 
     @property
     def header(self) -> str:

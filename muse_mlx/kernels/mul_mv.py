@@ -395,6 +395,20 @@ def _q8_pre(weights, glu) -> bool:
     return mode == "all" or glu is not None
 
 
+def q8_glu_quantized_once() -> bool:
+    """Whether the q8 GLU reads activations quantized beforehand (``q8=`` of :func:`mul_mv_q8`)."""
+    return _q8_pre([(None, "q4_K")] * 2, "silu")
+
+
+def q8_from_tail() -> bool:
+    """Whether the tail before a q8 GLU also writes its output quantized (``tail_dual_eps_q8``),
+    sparing the GLU's ``quantize_q8`` dispatch: ``MUSE_MLX_Q8_TAIL=1`` (default) or ``0``."""
+    mode = os.environ.get("MUSE_MLX_Q8_TAIL", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"MUSE_MLX_Q8_TAIL={mode!r}: expected 1 or 0")
+    return mode == "1" and q8_glu_quantized_once()
+
+
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
     """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q4_K_q8_pre: ``qy``
     (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
@@ -415,12 +429,14 @@ def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
                         template=[("GROUPS", groups)], which=which)
 
 
-def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
+def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.array:
     """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8,
     Q6_K through the exact lanes), concatenated; or, with ``glu`` an activation, two Q4_K
     matrices (gate, up) and ``act(gate) * up``. The GLU takes the activations quantized once
     (``quantize_q8`` + ``mul_mv_q4_K_q8_pre``, whose lanes per row fix the bits; see :func:`_q8_pre`);
-    the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row)."""
+    the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row). ``q8``: ``y`` already quantized, as
+    :func:`quantize_q8_rows` returns it (from :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a
+    call that takes the activations quantized once; otherwise ignored."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _k_of(*weights[0])
@@ -452,7 +468,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None) -> mx.array:
     launch = dict(grid=(groups * 32, nsg, T), threadgroup=(32, nsg, 1), which=which)
     out_shape = [(*y.shape[:-1], sum(rows))]
     if pre:
-        qy, ds = quantize_q8_rows(y, which)
+        qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template + [("LPR", lpr), ("U", u)],
                        **launch)
     else:

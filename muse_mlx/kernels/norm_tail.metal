@@ -126,3 +126,40 @@
         const uint i = tid + k * NTH;
         if (i < n4) out4[i] = (hv[k] * scale2) * w2v[k];
     }
+
+// ==== part: tail_q8
+// OPT-IN, NOT EXACT (flag mv_q8): appended to the exact tail's body (kernel
+// fused_norm_residual_rms_norm_batch_dual_eps_q8), so that the tail also writes its output as
+// quantize_q8 would (q8_group's arithmetic: d = max|y|/127, q = round(y/d), four int8 to a word,
+// the sum of q) for mul_mv_q4_K_q8_pre: one dispatch fewer per layer. A group of 32 values is
+// eight float4s held by eight neighbouring threads of one SIMD group (NTH is a multiple of 32 and
+// N of 32), combined with xor shuffles; a maximum and an integer sum are exact in any order, so
+// the bits are quantize_q8's for finite values. Each thread reads back the float4s it stored, so
+// the values quantized are exactly those written, whatever the compiler made of the expression.
+// outputs also: qy [rows, N/4] (uint32), ds [rows, N/16] (per group: d, float(sum q))
+    for (uint k = 0; k < PER; ++k) {  // every thread runs every k: the shuffles need the whole SIMD group
+        const uint i = tid + k * NTH;
+        const bool live = i < n4;  // a whole group is live or not: n4 is a multiple of 8
+        float4 o = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (live) o = out4[i];
+        float amax = 0.0f;
+        for (int e = 0; e < 4; ++e) amax = max(amax, fabs(o[e]));
+        for (uint m = 1u; m < 8u; m <<= 1u) amax = max(amax, simd_shuffle_xor(amax, m));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint word = 0u;
+        int sum = 0;
+        for (int e = 0; e < 4; ++e) {
+            const int q = int(round(o[e] * id));
+            sum += q;
+            word |= (uint(q) & 0xFFu) << (8u * uint(e));
+        }
+        for (uint m = 1u; m < 8u; m <<= 1u) sum += int(simd_shuffle_xor(uint(sum), m));
+        if (live) {
+            qy[row * n4 + i] = word;
+            if ((i & 7u) == 0u) {
+                ds[row * (N / 16) + i / 4] = d;
+                ds[row * (N / 16) + i / 4 + 1] = float(sum);
+            }
+        }
+    }

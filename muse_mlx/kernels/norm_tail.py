@@ -55,24 +55,31 @@ _DUAL_EPS = Kernel(
     "norm_tail", "fused_norm_residual_rms_norm_batch_dual_eps",
     ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output"],
 )
+_DUAL_EPS_Q8 = Kernel(
+    "norm_tail", "fused_norm_residual_rms_norm_batch_dual_eps_q8",
+    ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output", "qy", "ds"],
+    parts=("fused_norm_residual_rms_norm_batch_dual_eps", "tail_q8"),
+)
 _32SG = Kernel(
     "norm_tail", "fused_norm_residual_rms_norm_32sg",
     ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output"],
 )
-KERNELS = (_DUAL_EPS, _32SG)
+KERNELS = (_DUAL_EPS, _DUAL_EPS_Q8, _32SG)
 
 
-def _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, template, which):
+def _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, template, which, q8: bool = False):
     n = src.shape[-1]
     if hidden.shape != src.shape:
         raise ValueError(f"hidden {hidden.shape} and src {src.shape} differ")
     rows = src.size // n
     src, hidden = src.astype(F32), hidden.astype(F32)  # rows read in place: no reshape per call
-    hid, out = kernel(
-        [hidden, src, w1.astype(F32), w2.astype(F32), _eps(eps1), _eps(eps2)], [src.shape, src.shape], [F32, F32],
+    shapes, dtypes = [src.shape, src.shape], [F32, F32]
+    if q8:  # quantize_q8's layout of the output: flat words, flat (d, sum) pairs
+        shapes, dtypes = shapes + [(src.size // 4,), (src.size // 16,)], dtypes + [mx.uint32, F32]
+    return kernel(
+        [hidden, src, w1.astype(F32), w2.astype(F32), _eps(eps1), _eps(eps2)], shapes, dtypes,
         grid=(rows * nth, 1, 1), threadgroup=(nth, 1, 1), template=template, which=which,
     )
-    return hid, out
 
 
 def tail_dual_eps(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):
@@ -81,8 +88,27 @@ def tail_dual_eps(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str =
     which = which or backend()
     if which == "cpu":
         return tail_dual_eps_oracle(hidden, src, w1, w2, eps1, eps2, nth)
-    return _launch(_DUAL_EPS, hidden, src, w1, w2, eps1, eps2, nth,
-                   [("N", src.shape[-1]), ("NTH", nth)], which)
+    return tuple(_launch(_DUAL_EPS, hidden, src, w1, w2, eps1, eps2, nth,
+                         [("N", src.shape[-1]), ("NTH", nth)], which))
+
+
+def tail_dual_eps_q8(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):
+    """:func:`tail_dual_eps` (the same bits) that also returns its output as
+    :func:`~muse_mlx.kernels.mul_mv.quantize_q8_rows` writes it, ``(qy, ds)``, for the opt-in
+    q8 GLU: one dispatch where the two take two. Rows of a multiple of 32 values."""
+    from .mul_mv import quantize_q8_rows
+
+    n = src.shape[-1]
+    if n % 32:
+        raise ValueError(f"q8 activations come in groups of 32 values, not {n}")
+    nth = norm_threads(n, geometry)
+    which = which or backend()
+    if which == "cpu":
+        hid, out = tail_dual_eps_oracle(hidden, src, w1, w2, eps1, eps2, nth)
+        return hid, out, quantize_q8_rows(out, which)
+    hid, out, qy, ds = _launch(_DUAL_EPS_Q8, hidden, src, w1, w2, eps1, eps2, nth,
+                               [("N", n), ("NTH", nth)], which, q8=True)
+    return hid, out, (qy, ds)
 
 
 def tail_32sg(hidden, src, w1, w2, eps1: float, eps2: float, which=None):
