@@ -2,6 +2,7 @@
 
     python scripts/gpu_timeline.py --file PATH [--route pinned] [--flags mv_q8] [--ctx 128] [--tokens 8]
                                    [--prefill 512 [--prefill-mode batched] [--prefill-wait-ab]]
+                                   [--host] [--env-ab NAME=V1,V2]
 
 Decodes ``--tokens`` tokens of a checkpoint FILE (made if missing: the release geometry, as
 ``bench.py`` makes it) the way ``bench.py`` and ``generate`` do (compiled ``DecodeStep``,
@@ -394,6 +395,9 @@ def main(argv=None) -> int:
     ap.add_argument("--not-compiled", action="store_true", help="run the decode step without mx.compile")
     ap.add_argument("--geometries", default="", help="comma-separated matvec geometries to trace, each Q4K/Q6K as "
                     "NR0xNSG[xU] (e.g. 2x2x2/4x4x2), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
+    ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: trace every decode case once per value of the "
+                    "environment variable NAME (a kernel switch such as MUSE_MLX_Q8_TAIL; read when the step is "
+                    "traced), in turn, twice over")
     ap.add_argument("--prefill", type=int, default=0, help="also trace one prefill of this many tokens (default: none)")
     ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
     ap.add_argument("--prefill-wait-ab", action="store_true",
@@ -437,6 +441,13 @@ def main(argv=None) -> int:
         if g is not None and len(g) != 2:
             print(f"--geometries: {'/'.join(g)!r} is not Q4K/Q6K", file=sys.stderr)
             return 2
+    env_name, env_values = None, [None]
+    if args.env_ab:
+        env_name, sep, values = args.env_ab.partition("=")
+        if not sep or not env_name or not values:
+            print(f"--env-ab: {args.env_ab!r} is not NAME=V1,V2,...", file=sys.stderr)
+            return 2
+        env_values = values.split(",") * 2  # alternated, twice: a drift between runs shows as such
     model = load_model(path, args.route, progress=False)
     if args.prefill:
         schedules = [(True, None)] + ([(False, None)] if args.prefill_wait_ab else [])
@@ -459,23 +470,26 @@ def main(argv=None) -> int:
                     print_host_summary(case["host"], unit="prefill")
                 out["cases"].append(case)
                 mx.clear_cache()
-    cases = [(flags, g, ctx) for flags in dict.fromkeys(flag_sets) for g in geometries
-             for ctx in (int(c) for c in args.ctx.split(",") if c)]
-    for flags, g, ctx in cases:
+    cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
+             for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_values]
+    for flags, g, ctx, env_value in cases:
         model.route.flags = frozenset(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
+        if env_name is not None:
+            os.environ[env_name] = env_value
         tl, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti, args.host)
         general = not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), model.make_cache())
         label = (f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
                  + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else "")
+                 + (f", {env_name}={env_value}" if env_name is not None else "")
                  + (" (the general forward: this route has no decode path, nothing is compiled)" if general else ""))
         s = summarize(tl.records, args.tokens)
         s["wall_ms_per_token"] = wall / args.tokens * 1e3
         print_summary(s, label)
         print(f"  host wall clock: {s['wall_ms_per_token']:.3f} ms per token")
         case = dict(label=label, route=args.route, flags=list(flags), ctx=ctx, geometry=g, summary=s,
-                    records=tl.records)
+                    records=tl.records, env={env_name: env_value} if env_name is not None else {})
         if args.host:
             case["host"] = summarize_host(tl.host_records, args.tokens, wall * 1e9)
             print_host_summary(case["host"])

@@ -122,3 +122,21 @@ def test_host_summary_pairs_ranges_by_id_and_counts_calls():
     assert launch["count"] == 2 and launch["mean_us"] == pytest.approx(1.5)
     assert [e["name"] for e in h["by_name"]][0] == "CustomKernel::eval_gpu"  # by total time
     assert h["wall_ms_per_unit"] == pytest.approx(0.01)
+
+
+def test_env_ab_must_name_a_variable_and_values(capsys, tmp_path, monkeypatch):
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    # without CUDA the script stops before parsing: check the parser through a fake CUDA check
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gt, "find_cupti", lambda explicit=None: "libcupti.so")
+    monkeypatch.setattr(gt, "trace_chain", lambda n, library: [gt_rec()])
+    monkeypatch.setattr("muse_mlx.synthetic.ensure_synthetic", lambda *a, **k: None)
+    assert gt.main(["--file", str(tmp_path / "none.gguf"), "--env-ab", "MUSE_MLX_Q8_TAIL"]) == 2
+    assert "is not NAME=V1,V2" in capsys.readouterr().err
+
+
+def gt_rec():
+    return dict(kind="kernel", name="k", start=0, end=1000, stream=7)
