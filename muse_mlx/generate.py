@@ -130,7 +130,7 @@ def batched_prefill(route, mode: str = "batched", layer_sync: int | None = None,
                     matmul_commits: bool | None = None):
     """While active, the route runs multi-token inputs as matmuls (see :func:`generate_step`),
     evaluated every ``layer_sync`` layers (default: the mode's) and, unless ``pipeline`` is False,
-    each group started before the previous one is waited for; ``matmul_commits``: each matmul in
+    each group started before the previous one is waited for; ``matmul_commits``: each weight matmul in
     a CUDA graph of its own (default: for the float32 mode on MLX's CUDA backend, see
     ``Route.matmul_commits``). A route without a batched prefill of its own (stock) keeps its
     matmuls and takes only ``matmul_commits`` (default: off)."""

@@ -62,13 +62,14 @@ class Route:
         # ... starting each group before waiting for the one before (False: wait for each group
         # before building the next, which leaves the device idle meanwhile; kept to measure it)
         self.layer_pipeline = True
-        # batched prefill: give every matmul a CUDA graph of its own (set by batched_prefill).
-        # MLX (0.32) cannot update a captured graph holding a cuBLAS kernel with a cluster shape
-        # of y or z above 1 (the H200's float32 TF32 GEMMs), so it instantiates one per commit
-        # and destroys it right after the launch; the destruction waits until the graph has run
-        # (2.1 ms per layer-sized graph, measured with gpu_timeline.py --host), so the host
-        # cannot run ahead of the device. A graph of one matmul waits for that matmul alone, and
-        # the next matrix's dequantization, committed before it, is already queued.
+        # batched prefill: give every weight matmul a CUDA graph of its own (set by
+        # batched_prefill). MLX (0.32) cannot update a captured graph holding a cuBLAS kernel
+        # with a cluster shape of y or z above 1 (the H200's float32 TF32 GEMMs), so it
+        # instantiates one per commit and destroys it right after the launch; the destruction
+        # took as long as the graph's GPU time (2.1 ms per layer-sized graph, measured with
+        # gpu_timeline.py --host), so the host could not run ahead of the device. A graph of one
+        # matmul waits for that matmul alone, and the next matrix's dequantization, committed
+        # before it, is already queued.
         self.matmul_commits = False
 
     def configure(self, cfg) -> None:
@@ -298,15 +299,15 @@ class PinnedRoute(Route):
         return (kernels.silu_mul if activation == "silu" else kernels.gelu_mul)(gate, up)
 
     def ffn_gate_up(self, x, gate, up, activation):
+        # x quantized by the tail that made it, if it did (the same bits as quantizing it here)
+        q8 = self._q8_of[1] if self._q8_of is not None and self._q8_of[0] is x else None
+        self._q8_of = None
         # The dtype guard of seeds Ch 18 §18.6: the fused kernel exists for Q4_K only.
         fusable = all(w.form == "blocks" and w.qtype == T.Q4_K for w in (gate, up))
         if "ffn_4r2s" in self.flags and fusable:
             self.count("ffn_q4k_gate_up_silu_4r2s")
             return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
         same = gate.form == up.form == "blocks" and gate.qtype == up.qtype and gate.qtype in _KIND
-        # x quantized by the tail that made it, if it did (the same bits as quantizing it here)
-        q8 = self._q8_of[1] if self._q8_of is not None and self._q8_of[0] is x else None
-        self._q8_of = None
         if "mv_q8" in self.flags and fusable and not self._batched(x):
             self.count("mul_mv_q4_K_q8 (glu)")
             return kernels.mul_mv_q8(x, [(gate.weight, "q4_K"), (up.weight, "q4_K")], glu=activation, q8=q8)

@@ -16,10 +16,12 @@ random but valid blocks: ``muse_mlx.synthetic``), loads it per route and reports
 
 The same script runs on Metal, on CUDA, and (``--small``: a 4-layer geometry of the same shape
 family) on a CPU. ``--thin`` keeps the release geometry's 52 layers and attention heads but makes
-every matrix narrow (512 wide, vocabulary 4,096): each token launches the same kernels as the release
-model's, with almost no work in them, so its decode rate is the host's own ceiling for that many
-MLX primitives per token. For decode at context 4,096 the caches are filled with random f16 values
-rather than pre-filled, since decode speed does not depend on what the planes hold.
+the matrices narrow (a 512-wide residual stream, FFN 1,024, vocabulary 4,096): each token launches
+the same kernels as the release model's, with almost no work in them, so its decode rate
+approximates the host's own ceiling for that many MLX primitives per token (it commits fewer
+CUDA graphs per token than the release model, whose weights pass MLX's size limit per graph).
+For decode at context 4,096 the caches are filled with random f16 values rather than pre-filled,
+since decode speed does not depend on what the planes hold.
 """
 
 from __future__ import annotations
@@ -394,7 +396,8 @@ def decode_tokens(step, y: mx.array, n: int, waits: list | None = None) -> mx.ar
     ``waits`` gets the seconds the host spent waiting for each token in ``item()``. The rest of
     the wall clock is spent building and queueing the steps -- and, on CUDA, in MLX's own wait
     inside ``async_eval`` once more than 10 of its graphs are queued (``MAX_ACTIVE_TASKS``; a
-    release token is 16 graphs), so a decode bound by the device can show no ``item()`` wait.
+    release token is 16 graphs on the exact route), so a decode bound by the device can show no
+    ``item()`` wait.
     ``bench.py --thin`` measures the host's own ceiling instead."""
     for _ in range(n):
         nxt = step(y.reshape(1))
@@ -509,7 +512,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", default=None, help="synthetic checkpoint path (made if missing; default: in the temp dir)")
     ap.add_argument("--small", action="store_true", help="a 4-layer geometry of the same family (for a CPU)")
-    ap.add_argument("--thin", action="store_true", help="the release layers and heads, every matrix 512 wide: "
+    ap.add_argument("--thin", action="store_true", help="the release layers and heads, narrow matrices (512 wide, FFN 1,024): "
                     "the release kernels per token with almost no work (the host's ceiling)")
     ap.add_argument("--tiny", action="store_true", help="the test suite's 4 x 256 geometry (a smoke test in seconds)")
     ap.add_argument("--routes", default="pinned,stock", help="routes to measure, comma-separated (default: %(default)s)")
@@ -525,7 +528,7 @@ def main(argv=None) -> int:
                     help="also time each prefill evaluated every 1, 4 and 13 layers and as one graph, and "
                          "every 1 and 4 layers waiting for each group (besides the mode's default, generate's)")
     ap.add_argument("--prefill-commit-ab", action="store_true",
-                    help="also time each prefill with and without every matmul in a CUDA graph of its own "
+                    help="also time each prefill with and without every batched weight matmul in a CUDA graph of its own "
                     "(generate's default: with, for the float32 mode on CUDA)")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "

@@ -2,7 +2,7 @@
 
     python scripts/gpu_timeline.py --file PATH [--route pinned] [--flags mv_q8] [--ctx 128] [--tokens 8]
                                    [--prefill 512 [--prefill-mode batched] [--prefill-wait-ab]]
-                                   [--host] [--env-ab NAME=V1,V2]
+                                   [--prefill-commit-ab] [--host] [--env-ab NAME=V1,V2]
 
 Decodes ``--tokens`` tokens of a checkpoint FILE (made if missing: the release geometry, as
 ``bench.py`` makes it) the way ``bench.py`` and ``generate`` do (compiled ``DecodeStep``,
@@ -403,7 +403,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-wait-ab", action="store_true",
                     help="trace each prefill also waiting for each group of layers before building the next")
     ap.add_argument("--prefill-commit-ab", action="store_true",
-                    help="trace each prefill also with every matmul in a CUDA graph of its own and without "
+                    help="trace each prefill also with every batched weight matmul in a CUDA graph of its own and without "
                     "(generate's default: with, for the float32 mode on CUDA)")
     ap.add_argument("--host", action="store_true", help="also record the host's CUDA calls and MLX's NVTX ranges "
                     "(slows the host a little)")
@@ -470,6 +470,7 @@ def main(argv=None) -> int:
                     print_host_summary(case["host"], unit="prefill")
                 out["cases"].append(case)
                 mx.clear_cache()
+    env_before = os.environ.get(env_name) if env_name is not None else None
     cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
              for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_values]
     for flags, g, ctx, env_value in cases:
@@ -495,6 +496,10 @@ def main(argv=None) -> int:
             print_host_summary(case["host"])
         out["cases"].append(case)
         mx.clear_cache()
+    if env_name is not None and env_before is None:  # the variable as it was
+        os.environ.pop(env_name, None)
+    elif env_name is not None:
+        os.environ[env_name] = env_before
     if args.json:
         Path(args.json).write_text(json.dumps(out))
     return 0

@@ -82,16 +82,18 @@ def test_script_refuses_without_cuda(capsys, tmp_path):
 
 
 def test_api_and_marker_records_are_read_at_cuptis_offsets():
+    # the layouts written out from cupti_activity.h (CUDA 13.0), not from the script's constants:
+    # CUpti_ActivityAPI {u32 kind, u32 cbid, u64 start, u64 end, u32 processId, u32 threadId, ...}
     buf = ctypes.create_string_buffer(64)
-    struct.pack_into("<II", buf, 0, gt.KIND_RUNTIME, 311)
-    struct.pack_into("<QQ", buf, gt._API_START, 1000, 1750)
-    struct.pack_into("<I", buf, gt._API_THREAD, 42)
+    struct.pack_into("<IIQQII", buf, 0, 5, 311, 1000, 1750, 77, 42)  # 5: CUPTI_ACTIVITY_KIND_RUNTIME
     assert gt.parse_record(ctypes.addressof(buf)) == dict(kind="runtime", cbid=311, start=1000, end=1750, thread=42)
+    struct.pack_into("<I", buf, 0, 4)  # CUPTI_ACTIVITY_KIND_DRIVER
+    assert gt.parse_record(ctypes.addressof(buf))["kind"] == "driver"
+    # CUpti_ActivityMarker2 {u32 kind, u32 flags, u64 timestamp, u32 id, u32 objectKind,
+    # 12-byte objectId, u32 pad, const char* name, const char* domain}
     name = ctypes.create_string_buffer(b"CustomKernel::eval_gpu")
     buf = ctypes.create_string_buffer(64)
-    struct.pack_into("<II", buf, 0, gt.KIND_MARKER, gt.MARKER_START)
-    struct.pack_into("<QI", buf, gt._MARKER_TIME, 5000, 9)
-    struct.pack_into("<Q", buf, gt._MARKER_NAME, ctypes.addressof(name))
+    struct.pack_into("<IIQII12sIQQ", buf, 0, 12, 1 << 1, 5000, 9, 0, b"", 0, ctypes.addressof(name), 0)
     assert gt.parse_record(ctypes.addressof(buf)) == dict(kind="marker", id=9, flags=gt.MARKER_START, time=5000,
                                                           name="CustomKernel::eval_gpu")
 

@@ -63,7 +63,9 @@ def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
 
 def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
     """MUSE_MLX_Q8_TAIL=0 quantizes the GLU's input in a dispatch of its own (quantize_q8), the
-    default in the tail before it: a dispatch fewer, the same decoded logits."""
+    default in the tail before it: a dispatch fewer, the same decoded logits. On the CPU both run
+    the oracles, so this checks the route's hand-off and counts; that the kernel's q8 words equal
+    quantize_q8's is test_decode_kernels.py::test_tail_with_q8_output (emulator) and gpu_check."""
     model = load_model(tiny("muse-glimmer"), "pinned", ["mv_q8"])
     model.kv_dtype = mx.float16
     out = {}
@@ -207,3 +209,21 @@ def test_stock_prefill_committed_per_matmul_gives_the_same_bits(tiny):
     with batched_prefill(model.route):
         assert model.route.matmul_commits is False  # the default for stock
     np.testing.assert_array_equal(plain.view(np.uint32), committed.view(np.uint32))
+
+
+def test_graph_per_matmul_is_the_default_for_the_float32_prefill_on_cuda(monkeypatch):
+    """MLX's CUDA graphs with TF32 GEMMs are the case the commits are for (Route.matmul_commits):
+    on by default there, off for half precision, for the stock route and off CUDA."""
+    from muse_mlx.generate import batched_prefill
+    from muse_mlx.routes import make_route
+
+    pinned, stock = make_route("pinned"), make_route("stock")
+    with batched_prefill(pinned, "batched"):
+        assert pinned.matmul_commits is (mx.default_device() == mx.gpu and mx.cuda.is_available())
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    for route, mode, want in ((pinned, "batched", True), (pinned, "batched-f16", False), (pinned, "exact", False),
+                              (stock, "batched", False)):
+        with batched_prefill(route, mode):
+            assert route.matmul_commits is want, (route.name, mode)
+        assert route.matmul_commits is False
