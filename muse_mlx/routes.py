@@ -75,6 +75,11 @@ class Route:
     def configure(self, cfg) -> None:
         """Called once the model's configuration is known (the pinned route picks its norm geometry)."""
 
+    def _commit(self, *arrays: mx.array) -> None:
+        """End the CUDA graph being built at ``arrays``, when ``matmul_commits`` asks for it."""
+        if self.matmul_commits:
+            mx.async_eval(*arrays)
+
     def count(self, op: str, n: int = 1) -> None:
         self.dispatches[op] += n
 
@@ -146,9 +151,9 @@ class StockRoute(Route):
         return mx.fast.rms_norm(x, norm.gamma, norm.eps)
 
     def linear(self, x, w):
-        commit = self.matmul_commits and x.size // x.shape[-1] > 1  # see Route.matmul_commits
-        if commit:
-            mx.async_eval(x)
+        many_rows = x.size // x.shape[-1] > 1  # a prefill's tokens, not one decoded token
+        if many_rows:
+            self._commit(x)
         if w.form in ("affine", "affine_hi_lo"):
             # one quantized_matmul per form, summed in order (Q6_K: hi, then + lo)
             forms = w.affine_forms()
@@ -160,8 +165,8 @@ class StockRoute(Route):
         else:
             self.count("dequantize_matmul" if w.form == "blocks" else "matmul")
             y = x @ w.dequantized().T
-        if commit:
-            mx.async_eval(y)
+        if many_rows:
+            self._commit(y)
         return y
 
     def glu(self, gate, up, activation):
@@ -218,7 +223,7 @@ class PinnedRoute(Route):
         if "tail_32sg" in self.flags:
             self.count("fused_norm_residual_rms_norm_32sg")
             return kernels.tail_32sg(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps)
-        if (feeds_ffn and "mv_q8" in self.flags and self.batched is None and src.shape[-1] % 32 == 0
+        if (feeds_ffn and "mv_q8" in self.flags and not self._batched(src) and src.shape[-1] % 32 == 0
                 and kernels.mul_mv.q8_from_tail()):
             # the q8 GLU's activations come out of the tail too (ffn_gate_up takes them)
             self.count("fused_norm_residual_rms_norm_batch_dual_eps_q8")
@@ -238,11 +243,9 @@ class PinnedRoute(Route):
                 self.count("dequant_matmul")
                 wd = kernels.dequantize_rows(w.weight, _KIND[w.qtype], self.batched)
                 xd = x.astype(wd.dtype)
-                if self.matmul_commits:  # see Route.matmul_commits
-                    mx.async_eval(xd, wd)
+                self._commit(xd, wd)
                 y = xd @ wd.T
-                if self.matmul_commits:
-                    mx.async_eval(y)
+                self._commit(y)
                 return y.astype(x.dtype)
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
                 self.count("mul_mv_q4_K_q8")

@@ -283,20 +283,20 @@ def check_q8(rng, quick):
     oracle = lambda y, w, n=lanes: mul_mv.mul_mv_q4_K_q8_oracle(y, w, n)  # noqa: E731
     geo = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
 
-    qy, ds = gpu(mul_mv.quantize_q8_rows, h)
-    want_qy, want_ds = mul_mv.quantize_q8_rows(h, which="cpu")
-    compare("quantize_q8 (opt-in mv_q8) d, sum q", f"{ff}", ds, want_ds)
-    compare("quantize_q8 (opt-in mv_q8) int8 words", f"{ff}", mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
+    def compare_q8(kernel, case, got, y):  # (qy, ds) against the CPU quantization of y
+        want_qy, want_ds = mul_mv.quantize_q8_rows(y, which="cpu")
+        compare(f"{kernel} (opt-in mv_q8) d, sum q", case, got[1], want_ds)
+        compare(f"{kernel} (opt-in mv_q8) int8 words", case, mx.view(got[0], mx.float32),
+                mx.view(want_qy, mx.float32))
+
+    compare_q8("quantize_q8", f"{ff}", gpu(mul_mv.quantize_q8_rows, h), h)
     # the tail before the q8 GLU writes its output quantized too: the exact tail's bits, quantize_q8's words
     hid, s, w1, w2 = randn(rng, 1, D), randn(rng, 1, D), randn(rng, D), randn(rng, D)
-    got_h, got_o, (got_qy, got_ds) = gpu(K.tail_dual_eps_q8, hid, s, w1, w2, 1e-6, 1e-5, geometry="seeds")
+    got_h, got_o, got_q8 = gpu(K.tail_dual_eps_q8, hid, s, w1, w2, 1e-6, 1e-5, geometry="seeds")
     want_h, want_o = norm_tail.tail_dual_eps_oracle(hid, s, w1, w2, 1e-6, 1e-5, K.norm_threads(D, "seeds"))
     compare("tail_dual_eps_q8 (opt-in mv_q8) hidden, output", f"{D}", mx.concatenate([got_h, got_o]),
             mx.concatenate([want_h, want_o]))
-    want_qy, want_ds = mul_mv.quantize_q8_rows(want_o, which="cpu")
-    compare("tail_dual_eps_q8 (opt-in mv_q8) d, sum q", f"{D}", got_ds, want_ds)
-    compare("tail_dual_eps_q8 (opt-in mv_q8) int8 words", f"{D}", mx.view(got_qy, mx.float32),
-            mx.view(want_qy, mx.float32))
+    compare_q8("tail_dual_eps_q8", f"{D}", got_q8, want_o)
     wq, wq2 = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     # ffn_gate alone, ffn_down, attn_output: on both kernels (by default the per-threadgroup one,
     # since none is the GLU)

@@ -415,6 +415,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
     import mlx.core as mx
+    from environment import env
     from muse_mlx import load_model
     from muse_mlx.synthetic import RELEASE_VOCAB, ensure_synthetic
     from muse_mlx.writer import MUSE_GLIMMER_30B
@@ -470,16 +471,15 @@ def main(argv=None) -> int:
                     print_host_summary(case["host"], unit="prefill")
                 out["cases"].append(case)
                 mx.clear_cache()
-    env_before = os.environ.get(env_name) if env_name is not None else None
     cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
              for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_values]
     for flags, g, ctx, env_value in cases:
         model.route.flags = frozenset(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
-        if env_name is not None:
-            os.environ[env_name] = env_value
-        tl, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti, args.host)
+        with env(env_name, env_value) if env_name is not None else contextlib.nullcontext():
+            tl, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti,
+                                    args.host)
         general = not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), model.make_cache())
         label = (f"{args.route}{'+' + '+'.join(flags) if flags else ''}, ctx {ctx}"
                  + (f", geometry Q4_K {g[0]} Q6_K {g[1]}" if g else "")
@@ -496,10 +496,6 @@ def main(argv=None) -> int:
             print_host_summary(case["host"])
         out["cases"].append(case)
         mx.clear_cache()
-    if env_name is not None and env_before is None:  # the variable as it was
-        os.environ.pop(env_name, None)
-    elif env_name is not None:
-        os.environ[env_name] = env_before
     if args.json:
         Path(args.json).write_text(json.dumps(out))
     return 0

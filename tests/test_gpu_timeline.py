@@ -134,11 +134,7 @@ def test_env_ab_must_name_a_variable_and_values(capsys, tmp_path, monkeypatch):
     # without CUDA the script stops before parsing: check the parser through a fake CUDA check
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gt, "find_cupti", lambda explicit=None: "libcupti.so")
-    monkeypatch.setattr(gt, "trace_chain", lambda n, library: [gt_rec()])
+    monkeypatch.setattr(gt, "trace_chain", lambda n, library: [rec("k", 0, 1000)])
     monkeypatch.setattr("muse_mlx.synthetic.ensure_synthetic", lambda *a, **k: None)
     assert gt.main(["--file", str(tmp_path / "none.gguf"), "--env-ab", "MUSE_MLX_Q8_TAIL"]) == 2
     assert "is not NAME=V1,V2" in capsys.readouterr().err
-
-
-def gt_rec():
-    return dict(kind="kernel", name="k", start=0, end=1000, stream=7)

@@ -395,18 +395,14 @@ def _q8_pre(weights, glu) -> bool:
     return mode == "all" or glu is not None
 
 
-def q8_glu_quantized_once() -> bool:
-    """Whether the q8 GLU reads activations quantized beforehand (``q8=`` of :func:`mul_mv_q8`)."""
-    return _q8_pre([(None, "q4_K")] * 2, "silu")
-
-
 def q8_from_tail() -> bool:
     """Whether the tail before a q8 GLU also writes its output quantized (``tail_dual_eps_q8``),
-    sparing the GLU's ``quantize_q8`` dispatch: ``MUSE_MLX_Q8_TAIL=1`` (default) or ``0``."""
+    sparing the GLU's ``quantize_q8`` dispatch: ``MUSE_MLX_Q8_TAIL=1`` (default) or ``0``, and
+    only where the GLU reads activations quantized beforehand (``q8=`` of :func:`mul_mv_q8`)."""
     mode = os.environ.get("MUSE_MLX_Q8_TAIL", "1")
     if mode not in ("0", "1"):
         raise ValueError(f"MUSE_MLX_Q8_TAIL={mode!r}: expected 1 or 0")
-    return mode == "1" and q8_glu_quantized_once()
+    return mode == "1" and _q8_pre([(None, "q4_K")] * 2, "silu")
 
 
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
