@@ -134,6 +134,25 @@ def test_multi_kernel(geometry):
     assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws[:2], geometry=geometry), want[:, :44])
 
 
+def test_absent_matrix_slots_do_not_repeat_a_matrix(monkeypatch):
+    """A multi kernel's unused slots hold a 16-byte placeholder, not copies of a matrix: MLX's
+    CUDA backend adds every input's size to its graph's, and commits a graph per 1,000 MB."""
+    from muse_mlx.kernels.backend import Kernel
+
+    y, a, b = arr(1, 512), qrows(64, 512, "q4_K"), qrows(64, 512, "q4_K")
+    calls = [lambda: K.mul_mv_multi(y, [(a, "q4_K")], which="record"),
+             lambda: K.mul_mv_q8(y, [(a, "q4_K")], which="record"),
+             lambda: K.mul_mv_q8(y, [(a, "q4_K"), (b, "q4_K")], glu="silu", which="record")]
+    for given, call in zip([[a], [a], [a, b]], calls):
+        call()
+        inputs = Kernel.recorded.pop()["inputs"]
+        Kernel.recorded.clear()
+        mats = inputs[:4]
+        assert sum(m is w for m in mats for w in given) == len(given), "a given matrix is missing or repeated"
+        assert all(m.nbytes <= 16 for m in mats if not any(m is w for w in given))
+        assert sum(m.nbytes for m in inputs) <= sum(w.nbytes for w in given) + 64 + 4 * y.size + 4 * y.size
+
+
 @emulator
 @pytest.mark.parametrize("geometry", ["2x2", "4x2x2"])
 @pytest.mark.parametrize("kind,act", [("q4_K", "silu"), ("q6_K", "silu"), ("q4_K", "gelu_tanh")])
