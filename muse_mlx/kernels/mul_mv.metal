@@ -406,7 +406,7 @@ MUSE_FN float lane_group_sum(float v) {
 // dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
 // kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
 // Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG.
-// inputs: w0..w3 (absent ones: any array), y [T, K]; outputs: dst [T, R0+R1+R2+R3]
+// inputs: w0..w3 (absent ones: a placeholder, never read), y [T, K]; outputs: dst [T, R0+R1+R2+R3]
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
