@@ -163,7 +163,7 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
                 t = time_op(f, reps if R * Kc < 5e8 else max(2, reps // 4), Kc)
                 rows.append(dict(op=name, shape=f"{R}x{Kc}", label=label, qtype=kind, us=t * 1e6, gbps=nbytes / t / 1e9))
                 log(f"  {name:52} {label:26} {kind}  {t * 1e6:9.1f} us  {nbytes / t / 1e9:7.0f} GB/s")
-            del w
+            w = None  # the matrix is freed before the next is made (the lambdas that read it have run)
     # the four projections of one layer in one dispatch (q, k, v, gate)
     D, q, kv = g.n_embd, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
     ws = [(random_blocks(q, D, T.Q4_K, rng), "q4_K"), (random_blocks(kv, D, T.Q4_K, rng), "q4_K"),
@@ -213,7 +213,7 @@ def geometry_sweep(reps: int, rng) -> list[dict]:
                     rows.append(dict(label=label, qtype="q4_K_q8", geometry=geometry, us=t * 1e6, gbps=w.nbytes / t / 1e9))
                     line.append(f"{geometry} {w.nbytes / t / 1e9:5.0f}")
                 log(f"  {label:26} q8  : " + "  ".join(line) + "  (GB/s)")
-            del w
+            w = None  # as in kernel_table
     return rows
 
 
