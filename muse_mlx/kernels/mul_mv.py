@@ -249,12 +249,16 @@ def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
 ORACLES = {"q4_K": mul_mv_q4_K_oracle, "q6_K": mul_mv_q6_K_oracle}
 
 
-def _four_slots(weights) -> list[mx.array]:
-    """The four matrix inputs of a multi kernel: the given matrices, then a 16-byte placeholder
-    per absent slot (a kernel never reads a slot of 0 rows). Not a copy of a matrix: MLX's CUDA
-    backend counts every input's size towards its per-graph limit (``MLX_MAX_MB_PER_BUFFER``),
-    so three copies of ffn_down made the ``mv_q8`` route commit 30 graphs per token, not 16."""
-    return [w for w, _ in weights] + [constant(0, mx.uint8)] * (4 - len(weights))
+def _four_slots(weights) -> tuple[list[mx.array], list[int], list[str]]:
+    """A multi kernel's four slots: matrix inputs, row counts and kinds, the given matrices' first,
+    then per absent slot 0 rows (no threadgroups, so never read) and a 16-byte placeholder. Not a
+    copy of a matrix: MLX's CUDA backend counts every input's size towards its per-graph limit
+    (``MLX_MAX_MB_PER_BUFFER``), so three copies of ffn_down made the ``mv_q8`` route commit 30
+    graphs per token, not 16."""
+    absent = 4 - len(weights)
+    return ([w for w, _ in weights] + [constant(0, mx.uint8)] * absent,
+            [w.shape[0] for w, _ in weights] + [0] * absent,
+            [k for _, k in weights] + ["q4_K"] * absent)
 
 
 def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
@@ -273,9 +277,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
     y, T = _tokens(y, K)
     nr0, nsg, u = mv_geometry(geometry, which)
     per_tg = nr0 * nsg
-    mats = _four_slots(weights)
-    rows = [w.shape[0] for w, _ in weights] + [0] * (4 - len(weights))
-    kinds = [k for _, k in weights] + ["q4_K"] * (4 - len(weights))
+    mats, rows, kinds = _four_slots(weights)
     template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u)]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
@@ -461,9 +463,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.arr
     else:
         nr0, nsg = _q8_geometry(which)
         per_tg = nr0 * nsg
-    rows = [w.shape[0] for w, _ in weights] + [0] * (4 - len(weights))
-    kinds = [k for _, k in weights] + ["q4_K"] * (4 - len(weights))
-    mats = _four_slots(weights)
+    mats, rows, kinds = _four_slots(weights)
     if glu is not None:
         rows = [rows[0], 0, 0, 0]
     template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("GLU", int(glu is not None)),
