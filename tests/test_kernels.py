@@ -296,6 +296,35 @@ def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
                 assert f"[[{attr}]]" in src, (kernel.name, attr)
 
 
+def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():
+    """MLX hashes a kernel's whole source per launch, so each kernel carries only the helpers it
+    reaches (the compile tests above and below show nothing it needs is dropped)."""
+    from muse_mlx.kernels.backend import header_items, sections, to_cuda
+
+    for family in ("attention", "ffn", "mul_mv", "norm_tail", "rms_norm"):
+        header = sections(family).get("header", "")
+        assert "".join(text for _, text in header_items(header)) == header, family  # a split, nothing lost
+    names = lambda kernel: {name for name, _ in header_items(kernel.header)}  # noqa: E731
+    q4 = names(mul_mv._Q4_K)
+    # row_sums reaches both lane loops (its TYPE branch is not resolved in the text), and their helpers
+    assert {"row_sums", "q4K_lane_sums", "q6K_lane_sums", "q4K_block", "u2f_m", "byte_magic"} <= q4
+    assert not q4 & {"q8_group", "q4K_q8_run", "dot4_i8", "q4K_dequant4", "dequant4", "lane_group_sum"}
+    assert names(mul_mv._QUANTIZE_Q8) == {"q8_group"}
+    assert {"apply_activation", "gelu_tanh", "GELU_COEF_A"} <= names(mul_mv._GLU)
+    assert "q4k_v4_dual_row_mac" not in names(mul_mv._GLU)
+    assert names(attention._COMBINE) == {"first_visible", "splits_used"}
+    assert len(to_cuda(mul_mv._Q4_K.header)) < 0.65 * len(to_cuda(sections("mul_mv")["header"]))
+
+
+def test_a_header_the_split_cannot_place_is_an_error():
+    from muse_mlx.kernels.backend import header_items
+
+    with pytest.raises(ValueError, match="preprocessor line inside"):
+        header_items("MUSE_FN int f()\n#if X\n{ return 1; }\n#endif\n")
+    with pytest.raises(ValueError, match="ends inside an item"):
+        header_items("MUSE_FN int f() { return 1;\n")
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_translation_of_every_kernel_compiles(tmp_path):
     """The same bodies behind prelude.cuh, as mx.fast.cuda_kernel assembles them, through nvcc."""

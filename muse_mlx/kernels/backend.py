@@ -34,12 +34,105 @@ _CUDA_SPELLING = {"device": "", "thread": "", "threadgroup": "__shared__", "cons
 _LINE_COMMENT = re.compile(r"[ \t]*//[^\n]*")
 
 
+_INDENT_AND_BLANK_LINES = re.compile(r"^[ \t]+|\n(?=\n)", re.M)
+
+
 def to_cuda(metal_text: str) -> str:
     """The one textual change CUDA needs: Metal's address-space qualifiers.
 
-    Comments are dropped too: MLX hashes a kernel's whole source on every launch, so the text
-    NVRTC sees is kept short (the .metal files keep them for readers)."""
-    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], _LINE_COMMENT.sub("", metal_text))
+    Comments, indentation and blank lines are dropped too: MLX hashes a kernel's whole source on
+    every launch (``CustomKernel::eval_gpu``, MLX 0.32), so the text NVRTC sees is kept short
+    (the .metal files keep them for readers)."""
+    text = _INDENT_AND_BLANK_LINES.sub("", _LINE_COMMENT.sub("", metal_text))
+    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], text)
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_TRAILING_TEMPLATE_ARGS = re.compile(r"<[^<>]*>\s*$")
+
+
+def header_items(header: str) -> list[tuple[str | None, str]]:
+    """A family header split into its top-level items (a function with the comment above it, a
+    file-scope constant, a preprocessor line), in order, each with the name it defines (None for
+    a preprocessor line). Raises ValueError on what the split cannot place, so a header that
+    outgrows it fails every kernel's build instead of dropping a helper."""
+    items, start, depth, i, n = [], 0, 0, 0, len(header)
+    code_seen = False  # whether the pending item has code yet (not only comments and blank lines)
+    while i < n:
+        if header.startswith("//", i):
+            end = header.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if header.startswith("/*", i):
+            end = header.find("*/", i)
+            if end < 0:
+                raise ValueError("an unterminated /* comment in a kernel header")
+            i = end + 2
+            continue
+        c = header[i]
+        if c == "#" and depth == 0 and header[header.rfind("\n", 0, i) + 1 : i].strip() == "":
+            if code_seen:
+                raise ValueError(f"a preprocessor line inside a top-level item: {header[i:i + 60]!r}")
+            end = header.find("\n", i)
+            end = n if end < 0 else end
+            items.append((None, header[start:end + 1]))
+            start, i = end + 1, end + 1
+            continue
+        if not c.isspace():
+            code_seen = True
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("an unbalanced '}' in a kernel header")
+        if depth == 0 and c in "};":
+            end = i + 1
+            while end < n and header[end] in " \t":
+                end += 1
+            if c == "}" and end < n and header[end] == ";":
+                end += 1
+            end = header.find("\n", end)
+            end = n if end < 0 else end
+            items.append((_defined_name(header[start:i + 1]), header[start:end + 1]))
+            start, i, code_seen = end + 1, end + 1, False
+            continue
+        i += 1
+    if depth != 0 or header[start:].strip():
+        raise ValueError(f"a kernel header ends inside an item: {header[start:start + 60]!r}")
+    return items
+
+
+def _defined_name(item: str) -> str:
+    """The name an item defines: the last identifier before its first '(', '[', '=' or '{',
+    past a specialization's template arguments (``as_type<float, uint>(``)."""
+    code = _LINE_COMMENT.sub("", item)
+    head = re.split(r"[(\[={]", code, maxsplit=1)[0]
+    head = _TRAILING_TEMPLATE_ARGS.sub("", head)
+    names = _IDENTIFIER.findall(head)
+    if not names:
+        raise ValueError(f"no name found for a kernel header item: {code.strip()[:60]!r}")
+    return names[-1]
+
+
+def needed_header(header: str, body: str) -> str:
+    """The items of ``header`` that ``body`` calls, directly or through other items, in the
+    header's order (preprocessor lines always). What a kernel does not call is not in its
+    source, so MLX's per-launch hash of the source (see :func:`to_cuda`) covers less text."""
+    items = header_items(header)
+    by_name: dict[str, list[int]] = {}
+    for k, (name, _) in enumerate(items):
+        if name is not None:
+            by_name.setdefault(name, []).append(k)
+    keep = {k for k, (name, _) in enumerate(items) if name is None}
+    todo = [_LINE_COMMENT.sub("", body)] + [items[k][1] for k in keep]
+    while todo:
+        for ident in set(_IDENTIFIER.findall(_LINE_COMMENT.sub("", todo.pop()))):
+            for k in by_name.get(ident, ()):
+                if k not in keep:
+                    keep.add(k)
+                    todo.append(items[k][1])
+    return "".join(text for k, (_, text) in enumerate(items) if k in keep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,6 +208,11 @@ def constant(value, dtype=mx.float32) -> mx.array:
     return _CONSTANTS[key]
 
 
+@functools.lru_cache(maxsize=None)
+def _needed_header_cached(header: str, body: str) -> str:
+    return needed_header(header, body)
+
+
 _CUDA_TYPES = {
     mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
     mx.int8: "int8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
@@ -148,8 +246,9 @@ class Kernel:
 
     @property
     def header(self) -> str:
+        """The helpers of this kernel's families (``uses``, then its own) that its body calls."""
         families = self.uses + (() if self.family is None else (self.family,))
-        return "".join(sections(f).get("header", "") for f in families)
+        return _needed_header_cached("".join(sections(f).get("header", "") for f in families), self.body)
 
     def build(self, which: str):
         if which not in self._built:
