@@ -293,7 +293,11 @@ class PinnedRoute(Route):
             nth=kernels.norm_threads(cfg.head_dim, self.geometry), qk_shape=qk_shape, kv_shape=kv_shape)
 
     def attn_decode(self, q, planes, pos, geometry, scale, n_head, gate, gate_offset, out_shape):
-        self.count("attn_decode_partial + combine", 2)
+        # one dispatch where the cache is short enough for it, else the partial pass and the combine
+        if kernels.attention.one_dispatch(planes.shape[-2], planes.shape[-1]):
+            self.count("attn_decode_fused")
+        else:
+            self.count("attn_decode_partial + combine", 2)
         return kernels.attn_decode(q, planes, pos, geometry, scale, gate, n_head=n_head, gate_offset=gate_offset,
                                    out_shape=out_shape)
 

@@ -310,11 +310,12 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
         lambda y: K.qk_rope_pack(y, qkw, 1e-5, mx.array([100], dtype=mx.int32), table, rows=H + Hkv, hkv=Hkv, d=hd,
                                  rd=hd, traditional=True, v_offset=0, nth=K.norm_threads(hd, "llama"))[0],
         (H + Hkv) * hd)
-    for ctx, cap, window in ((128, 8192, 0), (4096, 8192, 0), (4096, 4096, 4096)):
+    for ctx, cap, window in ((128, 256, 0), (1000, 1024, 0), (128, 8192, 0), (4096, 8192, 0), (4096, 4096, 4096)):
         kv = (0.5 * mx.random.normal((2, 1, Hkv, cap, hd))).astype(mx.float16)
         geom = K.attention.decode_geometry(cap, window)
         pos = mx.array([ctx], dtype=mx.int32)
-        add(f"attn_decode partial + combine, ctx {ctx}, cap {cap}",
+        form = "one dispatch" if K.attention.fused_fits(cap, hd) else "partial + combine"
+        add(f"attn_decode {form}, ctx {ctx}, cap {cap}",
             lambda y, kv=kv, geom=geom, pos=pos: K.attn_decode(y, kv, pos, geom, hd ** -0.5, y, n_head=H), H * hd,
             2 * Hkv * (ctx + 1) * hd * 2)
         # (the cache write is not timed alone: held by a closure, its planes would be copied,

@@ -240,18 +240,24 @@ def check_decode_kernels(rng, quick):
     # decode attention: a flat buffer, a ring that has wrapped, a window in a flat buffer
     cases = [(32, 2, 128, 8192, 0, 4000), (32, 2, 128, 4096, 4096, 6000), (32, 2, 128, 8192, 4096, 8191),
              (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300), (4, 2, 32, 2048, 0, 1500),
-             (4, 2, 32, 2048, 0, 40), (32, 2, 128, 8192, 0, 128)]
+             (4, 2, 32, 2048, 0, 40), (32, 2, 128, 8192, 0, 128),
+             (32, 2, 128, 256, 0, 128), (32, 2, 128, 1024, 0, 1023), (32, 2, 128, 1024, 1024, 3000),
+             (4, 2, 32, 1024, 100, 600)]
     # (2048 at pos 1500: 47 splits hold keys, so the combine loads them in two rounds of 32; then
-    # a short context in a large cache: 2 of 64 and 5 of 256 splits hold keys)
-    for h, hkv, d, cap, window, pos in cases[3:] if quick else cases:
+    # a short context in a large cache: 2 of 64 and 5 of 256 splits hold keys; then caches of at
+    # most 1,024 positions, which take the one-dispatch form: the benchmark's ctx 128, all 32
+    # splits, a wrapped ring, a window. The first of those is checked in the two-dispatch form too.)
+    for i, (h, hkv, d, cap, window, pos) in enumerate(cases[3:] if quick else cases):
         q = randn(rng, h, d, scale=0.3)
         kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
         g = randn(rng, h * d)
-        got = gpu(K.attn_decode, q, kv, mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window),
-                  d ** -0.5, g)
         want = attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=probe("exp"))
-        compare("attn_decode (partial + combine)", f"{h}x{hkv}x{d} cap {cap} win {window} pos {pos}", got, want,
-                note="device exp")
+        forms = [attention.fused_fits(cap, d)] + ([False] if (cap, pos) == (256, 128) else [])
+        for fused in forms:
+            got = gpu(K.attn_decode, q, kv, mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window),
+                      d ** -0.5, g, fused=fused)
+            compare("attn_decode (one dispatch)" if fused else "attn_decode (partial + combine)",
+                    f"{h}x{hkv}x{d} cap {cap} win {window} pos {pos}", got, want, note="device exp")
     # Q/K-norms + RoPE + f16 K/V (one dispatch) against its oracle given the device's sin and cos
     for h, hkv, d, trad in ((32, 2, 128, True), (16, 8, 128, False)):
         rows = h + hkv

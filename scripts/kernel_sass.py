@@ -406,6 +406,10 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         kv = mx.zeros((2, HEADS_KV, CTX, HEAD_DIM), dtype=mx.float16)
         rec(f"attn_decode ctx {CTX}", K.attn_decode, mx.zeros((HEADS, HEAD_DIM)), kv, mx.array([5], dtype=mx.int32),
             attention.decode_geometry(CTX, 0), 0.088, mx.zeros((QW,)))
+        short = attention.FUSED_SPLITS * attention.CMAX  # the longest cache the one-dispatch form takes
+        rec(f"attn_decode ctx {short}", K.attn_decode, mx.zeros((HEADS, HEAD_DIM)),
+            mx.zeros((2, HEADS_KV, short, HEAD_DIM), dtype=mx.float16), mx.array([5], dtype=mx.int32),
+            attention.decode_geometry(short, 0), 0.088, mx.zeros((QW,)))
     return out
 
 

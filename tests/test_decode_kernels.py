@@ -18,6 +18,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from kernel_emulator import available, emulate_recorded
 from muse_mlx import kernels as K
 from muse_mlx.kernels import attention, ffn, mul_mv, rms_norm
+from muse_mlx.kernels.backend import Kernel
 from muse_mlx.quantizers import quantize
 from test_kernel_emulator import assert_bits_equal, libm
 
@@ -192,12 +193,45 @@ def test_embedding_kernel_is_gguf_py_of_the_rows(kind):
 @emulator
 @pytest.mark.parametrize("h,hkv,d,cap,window,pos", ATTN_CASES)
 @pytest.mark.parametrize("gated", [True, False])
-def test_decode_attention_kernels(h, hkv, d, cap, window, pos, gated):
+@pytest.mark.parametrize("fused", [None, False])
+def test_decode_attention_kernels(h, hkv, d, cap, window, pos, gated, fused):
+    """Both forms, one dispatch (the default where the cache fits it) and two, give the oracle's bits."""
+    if fused is False and not attention.fused_fits(cap, d):
+        pytest.skip("the default is already the two-dispatch form")
     q, kv, g = _attn_inputs(h, hkv, d, cap, gated)
     scale = d ** -0.5
     pos_arr, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
-    got = emulate_recorded(K.attn_decode, q, kv, pos_arr, geom, scale, g)
+    Kernel.recorded.clear()
+    K.attn_decode(q, kv, pos_arr, geom, scale, g, fused=fused, which="record")
+    launched = [c["kernel"].name for c in Kernel.recorded]
+    one = fused is None and attention.one_dispatch(cap, d)
+    assert launched == (["attn_decode_fused"] if one else ["attn_decode_partial", "attn_decode_combine"])
+    got = emulate_recorded(K.attn_decode, q, kv, pos_arr, geom, scale, g, fused=fused)
     assert_bits_equal(got, attention.attn_decode_oracle(q, kv, pos, window, scale, g, exp=libm("expf")))
+
+
+def test_the_one_dispatch_attention_refuses_what_it_cannot_hold():
+    q, kv, _ = _attn_inputs(4, 2, 32, 2048, False)
+    with pytest.raises(ValueError, match="at most 1024 cache positions"):
+        K.attn_decode(q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(2048, 0), 0.1, fused=True,
+                      which="record")
+    assert attention.fused_fits(1024, 128) and not attention.fused_fits(1025, 128)
+    assert not attention.fused_fits(256, 256) and not attention.fused_fits(256, 96)
+
+
+def test_the_attention_form_switch(monkeypatch):
+    """MUSE_MLX_ATTN=two puts the partial pass and the combine back (for timing them against the
+    one-dispatch form); anything else is an error that names the variable."""
+    q, kv, _ = _attn_inputs(4, 2, 32, 256, False)
+    args = (q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(256, 0), 0.1)
+    for mode, want in (("auto", ["attn_decode_fused"]), ("two", ["attn_decode_partial", "attn_decode_combine"])):
+        monkeypatch.setenv("MUSE_MLX_ATTN", mode)
+        Kernel.recorded.clear()
+        K.attn_decode(*args, which="record")
+        assert [c["kernel"].name for c in Kernel.recorded] == want
+    monkeypatch.setenv("MUSE_MLX_ATTN", "one")
+    with pytest.raises(ValueError, match="MUSE_MLX_ATTN='one'"):
+        K.attn_decode(*args, which="record")
 
 
 @emulator

@@ -261,7 +261,9 @@ def record_all_kernels():
     q = arr(8, 128)
     K.qk_rope_pack(q, q, 1e-6, mx.array([5], dtype=mx.int32), attention.rope_table(128, 10000.0, 1.0), rows=6, hkv=2,
                    d=128, rd=128, traditional=True, v_offset=6 * 128, nth=32, which="record")
-    K.attn_decode(q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(256, 0), 0.1, q, which="record")
+    for fused in (True, False):
+        K.attn_decode(q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(256, 0), 0.1, q, which="record",
+                      fused=fused)
     calls = list(Kernel.recorded)
     assert {c["kernel"] for c in calls} == set(K.ALL_KERNELS)
     return calls

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as T
 from reference import RefModel
 
 from muse_mlx import load_model
+from muse_mlx.kernels import attention
 
 TOKENS = [3, 17, 250, 99, 42, 7, 300, 12, 5, 64, 128, 1]
 
@@ -112,7 +113,8 @@ def test_fused_ffn_dtype_guard_falls_back(tiny):
 def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
     """Ch 12 §12.5: 2 standalone norms + 2 per layer fused tails; the decode path adds one
     projection dispatch per layer (q, k, v, gate), one for the Q/K-norms, RoPE and the f16 K/V
-    together, one GLU dispatch (gate, up, SiLU), and two attention dispatches (partial, combine)."""
+    together, one GLU dispatch (gate, up, SiLU), and one attention dispatch (this cache is short;
+    a long one takes two: the partial pass and the combine)."""
     model = load_model(tiny("muse-glimmer"), "pinned")
     cache = model.make_cache()
     model(mx.array([TOKENS[:5]]), cache)
@@ -122,11 +124,22 @@ def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
     assert d["rms_norm_mul"] == 2
     assert d["fused_norm_residual_rms_norm_batch_dual_eps"] == 2 * L
     assert d["mul_mv_multi_f32"] == L and d["mul_mv_glu_q4_K_f32"] == L and d["qk_rope_pack"] == L
-    assert d["attn_decode_partial + combine"] == 2 * L
+    assert d["attn_decode_fused"] == L and "attn_decode_partial + combine" not in d
     # attn_output and ffn_down per layer, and the head
     assert d["mul_mv_q4_K_f32"] + d["mul_mv_q6_K_f32"] == 2 * L + 1
     assert d["dequant_at"] == 1  # the token's embedding row, gathered and dequantized
-    assert sum(d.values()) == 2 + 9 * L + 1 + 1
+    assert sum(d.values()) == 2 + 8 * L + 1 + 1
+    # past 1,024 cached positions the attention is two dispatches
+    long_cache = model.make_cache()
+    for c in long_cache:
+        c.reserve_for(model.cfg, 2048)
+    model(mx.array([TOKENS[:5]]), long_cache)
+    model.route.dispatches.clear()
+    model(mx.array([[7]]), long_cache, last_only=True)
+    long = [not attention.fused_fits(c.kv.shape[-2], model.cfg.head_dim) for c in long_cache]
+    assert any(long)  # (the sliding-window layers' ring buffers stay short)
+    assert model.route.dispatches["attn_decode_partial + combine"] == 2 * sum(long)
+    assert model.route.dispatches.get("attn_decode_fused", 0) == L - sum(long)
 
 
 def test_prefill_dispatches_one_matvec_per_matrix_unless_batched(tiny):

@@ -264,3 +264,107 @@ MUSE_FN float half_of(uint4 w, uint e) {
     float o = num / den;
     if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + d])));
     out[h * D + d] = o;
+
+// ==== kernel: attn_decode_fused
+// attn_decode_partial and attn_decode_combine in one dispatch, for a cache of at most SMAX
+// splits (a second launch and its wait are most of a short context's attention time). One
+// threadgroup per query head; its NTF/32 SIMD groups take the head's splits in turn, a lane per
+// key, and keep each split's max, sum and output in threadgroup memory for the combine at the
+// end. Every float operation is one the two kernels do, in their order (the same oracle, the
+// same bits): the score of a key is the same fma chain over d, a split's sum and output the same
+// chains over its keys, the combine the same chain over splits.
+// inputs: q, kv, pos, geom, scale as attn_decode_partial; gate as attn_decode_combine
+// outputs: out [HKV*G*D]; grid (NTF, HKV*G, 1), threadgroup (NTF, 1, 1); templates G, D, NTF
+// (>= D), CMAX (32: a split's keys are a SIMD group's lanes), SMAX, HKV, GATE, GOFF.
+// D is 32, 64 or 128: lane l's output dimensions are VPL*l .. VPL*l + VPL - 1, VPL = D/32.
+    const uint tid = thread_position_in_threadgroup.x;
+    const uint lane = tid % 32u, sg = tid / 32u;
+    const uint h = threadgroup_position_in_grid.y;
+    const uint kvh = h / G;
+    const int p_new = pos[0];
+    const int cap = geom[0];
+    const int window = geom[1];
+    const int lo = first_visible(p_new, window);
+    const int n = p_new - lo + 1;
+    const int used = splits_used(n, CMAX);
+    constexpr int NSG = NTF / 32;
+    constexpr int VPL = D / 32;
+    threadgroup float qs[D];
+    threadgroup float pk[NSG * CMAX];  // each SIMD group's exp(score - max) of its split, by key
+    threadgroup float sm[SMAX];        // per split: max score,
+    threadgroup float sl[SMAX];        // sum of exp,
+    threadgroup float so[SMAX * D];    // unnormalized output
+    device const half* kplane = kv + (ulong)kvh * cap * D;
+    device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
+    for (uint i = tid; i < D; i += NTF) qs[i] = q[(ulong)h * D + i] * scale[0];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const int rounds = (used + NSG - 1) / NSG;
+    for (int r = 0; r < rounds; ++r) {
+        const int s = r * NSG + int(sg);
+        const int j0 = s * CMAX;  // split s holds keys j0 .. j0 + CMAX - 1 (those below n)
+        const int cnt = max(0, min(n - j0, CMAX));  // 0: no split for this SIMD group this round
+        // the split's value rows at the lane's dimensions, loaded with its key row before the
+        // score's chain starts (one memory round trip per split); keys past the end repeat the last
+        uint vlo[CMAX], vhi[CMAX];
+        if (cnt > 0) {
+            for (int jj = 0; jj < CMAX; ++jj) {
+                device const half* vrow = vplane + (ulong)((lo + j0 + min(jj, cnt - 1)) % cap) * D + VPL * lane;
+                if (VPL == 4) {
+                    const uint2 w2 = *(device const uint2*)vrow;
+                    vlo[jj] = w2.x;
+                    vhi[jj] = w2.y;
+                } else if (VPL == 2) {
+                    vlo[jj] = *(device const uint*)vrow;
+                    vhi[jj] = 0u;
+                } else {
+                    vlo[jj] = uint(*(device const ushort*)vrow);
+                    vhi[jj] = 0u;
+                }
+            }
+            device const half* krow = kplane + (ulong)((lo + j0 + min(int(lane), cnt - 1)) % cap) * D;
+            uint4 k8[D / 8];
+            for (int w = 0; w < D / 8; ++w) k8[w] = *(device const uint4*)(krow + 8 * w);
+            float acc = 0.0f;
+            for (int w = 0; w < D / 8; ++w)
+                for (int e = 0; e < 8; ++e) acc = fma(qs[8 * w + e], half_of(k8[w], uint(e)), acc);
+            const float m = simd_max(int(lane) < cnt ? acc : -INFINITY);  // max: any order
+            pk[sg * CMAX + lane] = int(lane) < cnt ? exp(acc - m) : 0.0f;
+            if (lane == 0u) sm[s] = m;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (cnt > 0) {
+            if (lane == 0u) {
+                float l = 0.0f;
+                for (int jj = 0; jj < cnt; ++jj) l += pk[sg * CMAX + jj];
+                sl[s] = l;
+            }
+            float o[VPL];
+            for (int e = 0; e < VPL; ++e) o[e] = 0.0f;
+            for (int jj = 0; jj < CMAX; ++jj) {  // a constant trip count: vlo, vhi stay in registers
+                if (jj < cnt) {
+                    const float pj = pk[sg * CMAX + jj];
+                    for (int e = 0; e < VPL; ++e) {
+                        const uint word = e < 2 ? vlo[jj] : vhi[jj];
+                        const float v = float(as_type<half>(ushort((word >> (16u * uint(e & 1))) & 0xFFFFu)));
+                        o[e] = fma(pj, v, o[e]);
+                    }
+                }
+            }
+            for (int e = 0; e < VPL; ++e) so[s * D + VPL * int(lane) + e] = o[e];
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // pk is rewritten next round; sm, sl, so read below
+    }
+    // the combine, as attn_decode_combine: one thread per dimension, the splits in order
+    if (tid < uint(D)) {
+        float m_all = -INFINITY;
+        for (int s = 0; s < used; ++s) m_all = max(m_all, sm[s]);
+        float num = 0.0f, den = 0.0f;
+        for (int s = 0; s < used; ++s) {
+            const float w = exp(sm[s] - m_all);
+            num = fma(w, so[s * D + int(tid)], num);
+            den = fma(w, sl[s], den);
+        }
+        float o = num / den;
+        if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + tid])));
+        out[h * D + tid] = o;
+    }

@@ -1,7 +1,8 @@
 """Decode attention over f16 KV planes (``attention.metal``): wrappers and the exact-order oracle.
 
 ``attn_decode(q, kv, pos, window, scale, gate)`` is one new token's attention, GQA, with the
-attention output gate folded in: two dispatches (a split-K partial pass, then the combine).
+attention output gate folded in: two dispatches (a split-K partial pass, then the combine), or
+one (``attn_decode_fused``, the same operations) for caches of at most 1,024 positions.
 ``qk_rope_pack(y, ...)`` is the step before it: the Q/K-norms, RoPE and the f16 K/V of the token.
 The order of every float operation is the oracle's (scores as an fma chain over the head
 dimension, each split's max / exp / sum / fma chain over its keys, then the splits in order);
@@ -9,6 +10,8 @@ dimension, each split's max / exp / sum / fma chain over its keys, then the spli
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -24,12 +27,17 @@ F32 = mx.float32
 CMAX = 32
 NT = 128  # threads of a partial-pass threadgroup
 CB = 32  # splits whose partial results the combine loads at once
+# attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch
+# instead of two; threadgroup memory ~17.7 KB at D = 128, under Metal's 32 KB.
+FUSED_SPLITS = 32
+NTF = 128  # threads of a fused threadgroup: four SIMD groups, each one split at a time
 
 _QK_ROPE_PACK = Kernel("attention", "qk_rope_pack", ["y", "w", "eps", "pos", "rope"], ["qk", "kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
                   ["part_m", "part_l", "part_o"])
 _COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom", "pos"], ["out"])
-KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE)
+_FUSED = Kernel("attention", "attn_decode_fused", ["q", "kv", "pos", "geom", "scale", "gate"], ["out"])
+KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE, _FUSED)
 
 
 def partial_threadgroup_bytes(g: int, d: int) -> int:
@@ -40,6 +48,20 @@ def partial_threadgroup_bytes(g: int, d: int) -> int:
 
 def splits_for(cap: int) -> int:
     return -(-cap // CMAX)
+
+
+def fused_fits(cap: int, d_head: int) -> bool:
+    """Whether a cache of ``cap`` positions and heads of ``d_head`` can take ``attn_decode_fused``."""
+    return splits_for(cap) <= FUSED_SPLITS and d_head in (32, 64, 128)
+
+
+def one_dispatch(cap: int, d_head: int) -> bool:
+    """The default form of :func:`attn_decode`: one dispatch wherever it fits, unless
+    ``MUSE_MLX_ATTN=two`` asks for the partial pass and the combine everywhere (to compare them)."""
+    mode = os.environ.get("MUSE_MLX_ATTN", "auto")
+    if mode not in ("auto", "two"):
+        raise ValueError(f"MUSE_MLX_ATTN={mode!r}: expected auto or two")
+    return mode == "auto" and fused_fits(cap, d_head)
 
 
 def decode_geometry(cap: int, window: int) -> mx.array:
@@ -157,23 +179,38 @@ def attn_decode_oracle(q, kv, pos: int, window: int, scale: float, gate=None, ex
 
 
 def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, which=None, n_head=None,
-                gate_offset: int = 0, out_shape=None) -> mx.array:
+                gate_offset: int = 0, out_shape=None, fused: bool | None = None) -> mx.array:
     """One token's attention (and gate): ``q [H, D]``, ``kv [2, (1,) HKV, cap, D]`` f16, ``pos`` int32 [1].
 
     ``geom`` is :func:`decode_geometry` of the cache (cap, window, splits). Returns ``[H*D]`` float32
     (or ``out_shape``). The decode path passes arrays as they are, to spare a slice per input:
     ``n_head`` heads are read from the start of ``q``, the gate from ``gate_offset`` of ``gate``.
+    ``fused`` picks one dispatch (``attn_decode_fused``) or two (partial, combine); by default
+    :func:`one_dispatch`. Both give the oracle's bits.
     """
     which = which or backend()
     hkv, cap, d_head = kv.shape[-3:]
     h = q.shape[0] if n_head is None else n_head
     shape = (h * d_head,) if out_shape is None else tuple(out_shape)
+    if fused is None:
+        fused = one_dispatch(cap, d_head)
+    elif fused and not fused_fits(cap, d_head):
+        raise ValueError(f"attn_decode_fused takes at most {FUSED_SPLITS * CMAX} cache positions and heads "
+                         f"of 32, 64 or 128; got {cap} positions of {d_head}")
     if which == "cpu":
         window = int(geom[1].item())
         g = None if gate is None else gate.reshape(-1)[gate_offset:]
         out = attn_decode_oracle(q, kv, int(pos.reshape(-1)[0].item()), window, scale, g, n_head=h)
         return out.reshape(shape)
     g_per = h // hkv
+    if fused:
+        template = [("G", g_per), ("D", d_head), ("NTF", NTF), ("CMAX", CMAX), ("SMAX", FUSED_SPLITS),
+                    ("HKV", hkv), ("GATE", int(gate is not None)), ("GOFF", gate_offset)]
+        (out,) = _FUSED(
+            [q.astype(F32), kv, pos, geom, constant(float(scale), F32), q if gate is None else gate.astype(F32)],
+            [shape], [F32], grid=(NTF, h, 1), threadgroup=(NTF, 1, 1), template=template, which=which,
+        )
+        return out
     splits = splits_for(cap)
     template = [("G", g_per), ("D", d_head), ("NT", NT), ("CMAX", CMAX), ("HKV", hkv)]
     part_m, part_l, part_o = _PARTIAL(

@@ -148,7 +148,9 @@ def sections(family: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def cuda_prelude() -> str:
-    return _LINE_COMMENT.sub("", (HERE / "prelude.cuh").read_text())
+    """prelude.cuh as short as it reads the same (it is in every kernel's source: see to_cuda)."""
+    text = _INDENT_AND_BLANK_LINES.sub("", _LINE_COMMENT.sub("", (HERE / "prelude.cuh").read_text()))
+    return re.sub(r"[ \t]+\\\n", "\\\n", text)  # the padding before a macro's line continuations
 
 
 def backend() -> str:
