@@ -126,7 +126,14 @@ class RingKVCache(_Planes):
     A query sees the ``window - 1`` positions before it and itself, so that is all a ring of
     ``window`` slots must hold. Prefill chunks get their keys in temporal order (the kept
     positions gathered from the ring, then the new ones), so masks stay simple.
+
+    Until the positions reach the window, the planes hold only as many slots as they need
+    (``step`` at a time): no position has wrapped yet, so growing keeps every slot where it is.
+    A short generation's sliding layers then take the one-dispatch decode attention
+    (:func:`muse_mlx.kernels.attention.fused_fits`) and less memory.
     """
+
+    step = 256
 
     def __init__(self, window: int):
         if window < 1:
@@ -140,15 +147,17 @@ class RingKVCache(_Planes):
         return min(self.offset, self.window - 1)
 
     def reserve(self, shape: tuple[int, int, int], dtype, total: int) -> None:
-        if self.kv is None:
-            self._allocate(shape, dtype, self.window)
+        """Room for positions ``0 .. total - 1``: ``total`` slots rounded up to ``step``, at most the window."""
+        need = min(self.window, -(-max(total, 1) // self.step) * self.step)
+        if need > self.capacity:
+            self._allocate(shape, dtype, need)
 
     def slot(self, position: int) -> int:
         return position % self.window
 
     def update_and_fetch(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
-        self.reserve(_plane_shape(k), k.dtype, 0)
         T, start, kept = k.shape[2], self.offset, self.n_kept
+        self.reserve(_plane_shape(k), k.dtype, start + T)
         if T == 1:
             # one new token: every slot written so far is visible to it, in whatever order
             self._write(k, v, self.slot(start))

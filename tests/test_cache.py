@@ -70,11 +70,13 @@ def _positions(T, start, D=2):
     return p, -p
 
 
-@pytest.mark.parametrize("chunks", [[1] * 20, [3, 9, 1, 7], [20], [8, 8, 4], [2, 11, 7]])
-def test_ring_cache_slots_and_fetched_keys(chunks):
+@pytest.mark.parametrize("window,chunks", [(8, [1] * 20), (8, [3, 9, 1, 7]), (8, [20]), (8, [8, 8, 4]),
+                                           (8, [2, 11, 7]), (600, [200, 55, 1, 1, 300, 50, 1, 60, 1])])
+def test_ring_cache_slots_and_fetched_keys(window, chunks):
     """Position p sits in slot p % window; a chunk gets the kept positions then its own, in order;
-    a single token gets every filled slot (rotated order: attention does not depend on it)."""
-    window, ring, start = 8, RingKVCache(8), 0
+    a single token gets every filled slot (rotated order: attention does not depend on it).
+    A window longer than ``step`` slots is reached in steps, each keeping the slots written so far."""
+    ring, start = RingKVCache(window), 0
     for T in chunks:
         k, v = _positions(T, start)
         kept = ring.n_kept
@@ -90,6 +92,7 @@ def test_ring_cache_slots_and_fetched_keys(chunks):
         slots = np.array(ring.keys)[0, 0, :, 0]
         for p in range(max(0, start - window), start):
             assert slots[p % window] == p
+        assert ring.capacity == min(window, -(-start // RingKVCache.step) * RingKVCache.step)
 
 
 def _copy(cache):

@@ -277,6 +277,9 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // outputs: out [HKV*G*D]; grid (NTF, HKV*G, 1), threadgroup (NTF, 1, 1); templates G, D, NTF
 // (>= D), CMAX (32: a split's keys are a SIMD group's lanes), SMAX, HKV, GATE, GOFF.
 // D is 32, 64 or 128: lane l's output dimensions are VPL*l .. VPL*l + VPL - 1, VPL = D/32.
+// Bound by latency: the first round's loads are issued before the q row is in threadgroup
+// memory, and the serial chains run to constant bounds (with a guard), so their loads are
+// issued ahead of the adds.
     const uint tid = thread_position_in_threadgroup.x;
     const uint lane = tid % 32u, sg = tid / 32u;
     const uint h = threadgroup_position_in_grid.y;
@@ -297,16 +300,18 @@ MUSE_FN float half_of(uint4 w, uint e) {
     device const half* kplane = kv + (ulong)kvh * cap * D;
     device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
     for (uint i = tid; i < D; i += NTF) qs[i] = q[(ulong)h * D + i] * scale[0];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
     const int rounds = (used + NSG - 1) / NSG;
     for (int r = 0; r < rounds; ++r) {
         const int s = r * NSG + int(sg);
         const int j0 = s * CMAX;  // split s holds keys j0 .. j0 + CMAX - 1 (those below n)
         const int cnt = max(0, min(n - j0, CMAX));  // 0: no split for this SIMD group this round
-        // the split's value rows at the lane's dimensions, loaded with its key row before the
-        // score's chain starts (one memory round trip per split); keys past the end repeat the last
+        // the lane's key row, and the split's value rows at the lane's dimensions (keys past the
+        // split's end repeat its last key; they are not used)
+        uint4 k8[D / 8];
         uint vlo[CMAX], vhi[CMAX];
         if (cnt > 0) {
+            device const half* krow = kplane + (ulong)((lo + j0 + min(int(lane), cnt - 1)) % cap) * D;
+            for (int w = 0; w < D / 8; ++w) k8[w] = *(device const uint4*)(krow + 8 * w);
             for (int jj = 0; jj < CMAX; ++jj) {
                 device const half* vrow = vplane + (ulong)((lo + j0 + min(jj, cnt - 1)) % cap) * D + VPL * lane;
                 if (VPL == 4) {
@@ -321,9 +326,9 @@ MUSE_FN float half_of(uint4 w, uint e) {
                     vhi[jj] = 0u;
                 }
             }
-            device const half* krow = kplane + (ulong)((lo + j0 + min(int(lane), cnt - 1)) % cap) * D;
-            uint4 k8[D / 8];
-            for (int w = 0; w < D / 8; ++w) k8[w] = *(device const uint4*)(krow + 8 * w);
+        }
+        if (r == 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // qs is written
+        if (cnt > 0) {
             float acc = 0.0f;
             for (int w = 0; w < D / 8; ++w)
                 for (int e = 0; e < 8; ++e) acc = fma(qs[8 * w + e], half_of(k8[w], uint(e)), acc);
@@ -335,7 +340,8 @@ MUSE_FN float half_of(uint4 w, uint e) {
         if (cnt > 0) {
             if (lane == 0u) {
                 float l = 0.0f;
-                for (int jj = 0; jj < cnt; ++jj) l += pk[sg * CMAX + jj];
+                for (int jj = 0; jj < CMAX; ++jj)
+                    if (jj < cnt) l += pk[sg * CMAX + jj];
                 sl[s] = l;
             }
             float o[VPL];
@@ -357,12 +363,15 @@ MUSE_FN float half_of(uint4 w, uint e) {
     // the combine, as attn_decode_combine: one thread per dimension, the splits in order
     if (tid < uint(D)) {
         float m_all = -INFINITY;
-        for (int s = 0; s < used; ++s) m_all = max(m_all, sm[s]);
+        for (int s = 0; s < SMAX; ++s)
+            if (s < used) m_all = max(m_all, sm[s]);
         float num = 0.0f, den = 0.0f;
-        for (int s = 0; s < used; ++s) {
-            const float w = exp(sm[s] - m_all);
-            num = fma(w, so[s * D + int(tid)], num);
-            den = fma(w, sl[s], den);
+        for (int s = 0; s < SMAX; ++s) {
+            if (s < used) {
+                const float w = exp(sm[s] - m_all);
+                num = fma(w, so[s * D + int(tid)], num);
+                den = fma(w, sl[s], den);
+            }
         }
         float o = num / den;
         if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + tid])));

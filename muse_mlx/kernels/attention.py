@@ -30,7 +30,7 @@ CB = 32  # splits whose partial results the combine loads at once
 # attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch
 # instead of two; threadgroup memory ~17.7 KB at D = 128, under Metal's 32 KB.
 FUSED_SPLITS = 32
-NTF = 128  # threads of a fused threadgroup: four SIMD groups, each one split at a time
+NTF = 256  # threads of a fused threadgroup: eight SIMD groups, each one split at a time
 
 _QK_ROPE_PACK = Kernel("attention", "qk_rope_pack", ["y", "w", "eps", "pos", "rope"], ["qk", "kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
