@@ -442,6 +442,9 @@ def test_decode_path_needs_the_partial_pass_to_fit_metal_threadgroup_memory():
     from muse_mlx.routes import make_route
 
     assert attention.partial_threadgroup_bytes(16, 128) == 18752
+    # the one-dispatch form: 18,176 bytes at D = 128 (ptxas -v), the most it takes
+    assert attention.fused_threadgroup_bytes(128) == 18176
+    assert all(attention.fused_threadgroup_bytes(d) <= 32 * 1024 for d in (32, 64, 128))
     route = make_route("pinned", ())
     cfg = lambda h, hkv, d: SimpleNamespace(n_head=h, n_head_kv=hkv, head_dim=d, attn_softcap=None,  # noqa: E731
                                             q_scale=None, kq_scale=1.0)

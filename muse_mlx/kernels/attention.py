@@ -28,7 +28,7 @@ CMAX = 32
 NT = 128  # threads of a partial-pass threadgroup
 CB = 32  # splits whose partial results the combine loads at once
 # attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch
-# instead of two; threadgroup memory ~17.7 KB at D = 128, under Metal's 32 KB.
+# instead of two (fused_threadgroup_bytes: under Metal's 32 KB).
 FUSED_SPLITS = 32
 NTF = 256  # threads of a fused threadgroup: eight SIMD groups, each one split at a time
 
@@ -48,6 +48,12 @@ def partial_threadgroup_bytes(g: int, d: int) -> int:
 
 def splits_for(cap: int) -> int:
     return -(-cap // CMAX)
+
+
+def fused_threadgroup_bytes(d: int) -> int:
+    """Threadgroup memory of attn_decode_fused: the scaled q row, each SIMD group's exp values,
+    and per split its max, sum and D outputs."""
+    return 4 * d + 4 * (NTF // 32) * CMAX + 8 * FUSED_SPLITS + 4 * FUSED_SPLITS * d
 
 
 def fused_fits(cap: int, d_head: int) -> bool:

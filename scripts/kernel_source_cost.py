@@ -1,0 +1,63 @@
+"""Host time per custom-kernel launch against the size of the kernel's source (NVIDIA only).
+
+    python scripts/kernel_source_cost.py
+
+MLX's CUDA backend hashes a custom kernel's whole source at every launch
+(``CustomKernel::eval_gpu``, MLX 0.32), so the host's cost of a launch grows with the text. This
+times a chain of 400 tiny dependent kernels, compiled and not, whose sources differ only by a
+comment of 0-32 KB, and prints the median host time per kernel (15 runs). The GPU's work is
+negligible, so the chain is bound by the host. ``muse_mlx.kernels.backend.needed_header`` keeps
+each engine kernel's source to what it uses for this reason (docs/kernels.md, "A kernel's source").
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import mlx.core as mx
+
+N, REPS = 400, 15
+BODY = "int i = threadIdx.x; if (i < 64) y[i] = x[i] + 1.0f;"
+
+
+def per_kernel_us(kernel, compiled: bool) -> tuple[float, float]:
+    """(median, min) host microseconds per kernel of the chain."""
+
+    def chain(x):
+        for _ in range(N):
+            x = kernel(inputs=[x], output_shapes=[(64,)], output_dtypes=[mx.float32], grid=(64, 1, 1),
+                       threadgroup=(64, 1, 1))[0]
+        return x
+
+    fn = mx.compile(chain) if compiled else chain
+    x = mx.zeros((64,))
+    mx.eval(fn(x))  # builds the kernel and, compiled, the trace
+    times = []
+    for _ in range(REPS):
+        t0 = time.perf_counter()
+        mx.eval(fn(x))
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e6 * times[len(times) // 2] / N, 1e6 * times[0] / N
+
+
+def main() -> int:
+    if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        print("kernel_source_cost: needs MLX's CUDA backend (mx.fast.cuda_kernel)", file=sys.stderr)
+        return 2
+    print(f"mlx {mx.__version__}, {mx.default_device()}")
+    for kb in (0, 4, 8, 16, 32):
+        pad = ("// " + "x" * 76 + "\n") * (kb * 1024 // 80)
+        kernel = mx.fast.cuda_kernel(name=f"source_cost_{kb}", input_names=["x"], output_names=["y"], source=BODY,
+                                     header=pad)
+        for compiled in (True, False):
+            med, low = per_kernel_us(kernel, compiled)
+            label = "compiled" if compiled else "uncompiled"
+            print(f"source +{kb:2d} KB  {label:10s}: {med:6.2f} us per kernel (median of {REPS}; min {low:.2f})",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
