@@ -242,11 +242,12 @@ def check_decode_kernels(rng, quick):
              (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300), (4, 2, 32, 2048, 0, 1500),
              (4, 2, 32, 2048, 0, 40), (32, 2, 128, 8192, 0, 128),
              (32, 2, 128, 256, 0, 128), (32, 2, 128, 1024, 0, 1023), (32, 2, 128, 1024, 1024, 3000),
-             (4, 2, 32, 1024, 100, 600)]
+             (4, 2, 32, 1024, 100, 600), (4, 2, 32, 16384, 0, 9000)]
     # (2048 at pos 1500: 47 splits hold keys, so the combine loads them in two rounds of 32; then
     # a short context in a large cache: 2 of 64 and 5 of 256 splits hold keys; then caches of at
     # most 1,024 positions, which take the one-dispatch form: the benchmark's ctx 128, all 32
-    # splits, a wrapped ring, a window. The first of those is checked in the two-dispatch form too.)
+    # splits, a wrapped ring, a window. The first of those is checked in the two-dispatch form too.
+    # Last, 282 splits of heads of 32: the combine takes them in two rounds of 256.)
     for i, (h, hkv, d, cap, window, pos) in enumerate(cases[3:] if quick else cases):
         q = randn(rng, h, d, scale=0.3)
         kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))

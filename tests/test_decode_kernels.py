@@ -92,7 +92,8 @@ def attention64(q, kv, pos, window, scale, gate):
 # wrapped, a window inside a flat buffer, one KV head per query head, one position
 ATTN_CASES = [(8, 2, 64, 512, 0, 300), (4, 2, 128, 256, 256, 700), (6, 3, 32, 1024, 100, 600),
               (2, 2, 64, 128, 0, 0), (16, 1, 128, 384, 0, 383), (4, 2, 32, 2048, 0, 1500),
-              (4, 2, 32, 2048, 0, 40)]  # 2 of 64 splits hold keys
+              (4, 2, 32, 2048, 0, 40),  # 2 of 64 splits hold keys
+              (2, 1, 32, 16384, 0, 9000)]  # 282 splits: the combine takes them in two rounds of 256
 
 
 def _attn_inputs(h, hkv, d, cap, gate=True):

@@ -224,7 +224,10 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [4],
 //         pos (element 0)
 // outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF,
-// CMAX (keys per split), CB (splits loaded at a time)
+// CMAX (keys per split), CB (splits whose outputs are loaded at a time)
+// Bound by latency at long contexts (128 splits at 4,096 keys), so the threads share the work
+// that does not depend on the dimension: M over the splits, each split's weight e^(m_s - M) and
+// sum l_s are computed once, by one thread, into threadgroup memory, SCH splits at a time.
     const uint d = thread_position_in_threadgroup.x;
     const uint h = threadgroup_position_in_grid.y;
     const uint kvh = h / G, g = h % G;
@@ -236,28 +239,59 @@ MUSE_FN float half_of(uint4 w, uint e) {
     const int n = p_new - first_visible(p_new, window) + 1;
     const int used = splits_used(n, CMAX);
     const uint base = kvh * uint(splits);
-    // CB splits' loads at a time, all issued before the arithmetic that waits for them: the
-    // chains below are serial, so one memory round trip per CB splits instead of per split
-    float m_all = -INFINITY;
-    for (int s = 0; s < used; s += CB) {
-        float pm[CB];
-        for (int u = 0; u < CB; ++u) pm[u] = part_m[(base + uint(min(s + u, used - 1))) * G + g];
-        for (int u = 0; u < CB; ++u) m_all = max(m_all, pm[u]);  // max: any order, any repeats
-    }
-    float num = 0.0f, den = 0.0f;
-    for (int s = 0; s < used; s += CB) {
-        float pm[CB], po[CB], pl[CB];
-        for (int u = 0; u < CB; ++u) {
-            const uint p = (base + uint(min(s + u, used - 1))) * G + g;
-            pm[u] = part_m[p];
-            pl[u] = part_l[p];
-            po[u] = part_o[(ulong)p * D + d];
+    constexpr int SCH = 8 * D < 1024 ? 8 * D : 1024;  // splits per round in threadgroup memory
+    constexpr int NPT = (SCH + D - 1) / D;            // of those, per thread
+    threadgroup float red[D];
+    threadgroup float sw[SCH];
+    threadgroup float sl[SCH];
+    // M: each thread's max over splits d, d + D, ... (the first round's m_s and l_s kept), then
+    // every thread's max over those (max: any order, any grouping)
+    float pm0[NPT], pl0[NPT];
+    float m = -INFINITY;
+    for (int k = 0; k < NPT; ++k) {
+        const int s = int(d) + k * D;
+        if (s < min(used, SCH)) {
+            const uint p = (base + uint(s)) * G + g;
+            pm0[k] = part_m[p];
+            pl0[k] = part_l[p];
+            m = max(m, pm0[k]);
         }
-        for (int u = 0; u < CB; ++u) {
-            if (s + u < used) {
-                const float w = exp(pm[u] - m_all);
-                num = fma(w, po[u], num);
-                den = fma(w, pl[u], den);
+    }
+    for (int s = SCH + int(d); s < used; s += D) m = max(m, part_m[(base + uint(s)) * G + g]);
+    red[d] = m;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float m_all = -INFINITY;
+    for (int t = 0; t < D; ++t) m_all = max(m_all, red[t]);
+    float num = 0.0f, den = 0.0f;
+    for (int c0 = 0; c0 < used; c0 += SCH) {
+        const int cn = min(used - c0, SCH);
+        if (c0 > 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // the last round's sw, sl are read
+        for (int k = 0; k < NPT; ++k) {
+            const int s = int(d) + k * D;
+            if (s < cn) {
+                float sm_s, sl_s;
+                if (c0 == 0) {
+                    sm_s = pm0[k];
+                    sl_s = pl0[k];
+                } else {
+                    const uint p = (base + uint(c0 + s)) * G + g;
+                    sm_s = part_m[p];
+                    sl_s = part_l[p];
+                }
+                sw[s] = exp(sm_s - m_all);
+                sl[s] = sl_s;
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        // CB splits' outputs at a time, all loads issued before the chain that waits for them
+        for (int s = 0; s < cn; s += CB) {
+            float po[CB];
+            for (int u = 0; u < CB; ++u) po[u] = part_o[(ulong)((base + uint(c0 + min(s + u, cn - 1))) * G + g) * D + d];
+            for (int u = 0; u < CB; ++u) {
+                if (s + u < cn) {
+                    num = fma(sw[s + u], po[u], num);
+                    den = fma(sw[s + u], sl[s + u], den);
+                }
             }
         }
     }

@@ -26,7 +26,7 @@ F32 = mx.float32
 # grid has ceil(cap / CMAX) splits (a static shape) and the empty ones return at once.
 CMAX = 32
 NT = 128  # threads of a partial-pass threadgroup
-CB = 32  # splits whose partial results the combine loads at once
+CB = 64  # splits whose outputs the combine loads at once
 # attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch
 # instead of two (fused_threadgroup_bytes: under Metal's 32 KB).
 FUSED_SPLITS = 32
