@@ -192,7 +192,8 @@ MUSE_FN float half_of(uint4 w, uint e) {
     }
     if (tid < G) {
         float m = -INFINITY;
-        for (int jj = 0; jj < cnt; ++jj) m = max(m, sc[tid * CMAX + jj]);
+        for (int jj = 0; jj < CMAX; ++jj)  // constant bounds (and a guard): the loads go ahead of the chain
+            if (jj < cnt) m = max(m, sc[tid * CMAX + jj]);
         mx[tid] = m;
         part_m[part * G + tid] = m;
     }
@@ -204,7 +205,8 @@ MUSE_FN float half_of(uint4 w, uint e) {
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (tid < G) {
         float l = 0.0f;
-        for (int jj = 0; jj < cnt; ++jj) l += sc[tid * CMAX + jj];
+        for (int jj = 0; jj < CMAX; ++jj)
+            if (jj < cnt) l += sc[tid * CMAX + jj];
         part_l[part * G + tid] = l;
     }
     // outputs: one thread per dimension, each head an fma chain over the split's keys in order
