@@ -287,7 +287,7 @@ def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
             space = "constant" if a.size < 8 else "device"
             assert f"const {space} " in src and f"* {name} [[buffer(" in src, (kernel.name, name)
         for name in kernel.outputs:
-            assert f"device " in src and f"* {name} [[buffer(" in src, (kernel.name, name)
+            assert "device " in src and f"* {name} [[buffer(" in src, (kernel.name, name)
         for tname, value in c["template"] or []:
             assert f"int {tname}" in src, (kernel.name, tname)
         # the body arrives verbatim

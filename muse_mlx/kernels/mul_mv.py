@@ -393,16 +393,17 @@ def q8_pre_geometry(which: str) -> tuple[int, int, int, int]:
     return nr0, nsg, lpr, u
 
 
-def _q8_pre(weights, glu) -> bool:
-    """Whether a call takes quantize_q8 + mul_mv_q4_K_q8_pre: by default the GLU, where it is the
-    faster on the H200 (the per-threadgroup kernel was faster on the other calls, measured inside
-    the decode: docs/performance.md); ``MUSE_MLX_Q8_PRE=all``: every all-Q4_K call, ``0``: none."""
+def _q8_pre(kinds, glu: bool) -> bool:
+    """Whether a call on matrices of these kinds takes quantize_q8 + mul_mv_q4_K_q8_pre: by
+    default the GLU, where it is the faster on the H200 (the per-threadgroup kernel was faster on
+    the other calls, measured inside the decode: docs/performance.md); ``MUSE_MLX_Q8_PRE=all``:
+    every all-Q4_K call, ``0``: none."""
     mode = os.environ.get("MUSE_MLX_Q8_PRE", "glu").lower()
     if mode not in ("glu", "all", "0"):
         raise ValueError(f"MUSE_MLX_Q8_PRE={mode!r}: expected glu, all or 0")
-    if mode == "0" or any(k != "q4_K" for _, k in weights):
+    if mode == "0" or any(k != "q4_K" for k in kinds):
         return False
-    return mode == "all" or glu is not None
+    return mode == "all" or glu
 
 
 def q8_from_tail() -> bool:
@@ -412,7 +413,7 @@ def q8_from_tail() -> bool:
     mode = os.environ.get("MUSE_MLX_Q8_TAIL", "1")
     if mode not in ("0", "1"):
         raise ValueError(f"MUSE_MLX_Q8_TAIL={mode!r}: expected 1 or 0")
-    return mode == "1" and _q8_pre([(None, "q4_K")] * 2, "silu")
+    return mode == "1" and _q8_pre(("q4_K", "q4_K"), glu=True)  # a Q4_K GLU: the only call the tail feeds
 
 
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
@@ -449,7 +450,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.arr
     which = which or backend()
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
-    pre = _q8_pre(weights, glu)
+    pre = _q8_pre([k for _, k in weights], glu is not None)
     if which == "cpu":
         lanes = q8_pre_geometry(which)[2] if pre else 32
         outs = [mul_mv_q4_K_q8_oracle(y, w, lanes) if k == "q4_K" else ORACLES[k](y, w) for w, k in weights]
