@@ -228,8 +228,9 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF,
 // CMAX (keys per split), CB (splits whose outputs are loaded at a time)
 // Bound by latency at long contexts (128 splits at 4,096 keys), so the threads share the work
-// that does not depend on the dimension: M over the splits, each split's weight e^(m_s - M) and
-// sum l_s are computed once, by one thread, into threadgroup memory, SCH splits at a time.
+// that does not depend on the dimension: M from each thread's maximum over its own splits, and
+// each split's weight e^(m_s - M) and sum l_s once, by one thread, into threadgroup memory, SCH
+// splits at a time.
     const uint d = thread_position_in_threadgroup.x;
     const uint h = threadgroup_position_in_grid.y;
     const uint kvh = h / G, g = h % G;
