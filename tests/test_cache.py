@@ -95,6 +95,25 @@ def test_ring_cache_slots_and_fetched_keys(window, chunks):
         assert ring.capacity == min(window, -(-start // RingKVCache.step) * RingKVCache.step)
 
 
+def test_decode_path_with_rings_shorter_than_their_window(tiny):
+    """A window of 600 reserved for a short run gives rings of 256 slots (cap < window): the decode
+    path's slots and visible range still follow the positions, as the full forward's do."""
+    import dataclasses
+
+    from muse_mlx.decode import DecodeStep
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    model.cfg = dataclasses.replace(model.cfg, sliding_window=600)
+    full = _full(model, TOKENS)
+    cache = model.make_cache()
+    model(mx.array([TOKENS[:6]]), cache)
+    step = DecodeStep(model, cache, capacity=64, compiled=False)
+    rings = [c for c in cache if isinstance(c, RingKVCache)]
+    assert rings and all(c.capacity == 256 < c.window == 600 for c in rings)
+    stepped = np.stack([np.array(step(mx.array([t]))) for t in TOKENS[6:]])
+    np.testing.assert_allclose(stepped, full[6:], rtol=0, atol=2e-3)
+
+
 def _copy(cache):
     out = []
     for c in cache:
