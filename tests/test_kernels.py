@@ -325,6 +325,8 @@ def test_a_header_the_split_cannot_place_is_an_error():
         header_items("MUSE_FN int f()\n#if X\n{ return 1; }\n#endif\n")
     with pytest.raises(ValueError, match="ends inside an item"):
         header_items("MUSE_FN int f() { return 1;\n")
+    # a block comment above an item, parentheses and braces in it, is not part of its name
+    assert [name for name, _ in header_items("/* g(x) { */\nMUSE_FN int f() { return 1; }\n")] == ["f"]
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

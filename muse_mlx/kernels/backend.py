@@ -48,6 +48,7 @@ def to_cuda(metal_text: str) -> str:
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_BLOCK_COMMENT = re.compile(r"/\*.*?\*/", re.S)
 _TRAILING_TEMPLATE_ARGS = re.compile(r"<[^<>]*>\s*$")
 
 
@@ -106,7 +107,7 @@ def header_items(header: str) -> list[tuple[str | None, str]]:
 def _defined_name(item: str) -> str:
     """The name an item defines: the last identifier before its first '(', '[', '=' or '{',
     past a specialization's template arguments (``as_type<float, uint>(``)."""
-    code = _LINE_COMMENT.sub("", item)
+    code = _BLOCK_COMMENT.sub("", _LINE_COMMENT.sub("", item))
     head = re.split(r"[(\[={]", code, maxsplit=1)[0]
     head = _TRAILING_TEMPLATE_ARGS.sub("", head)
     names = _IDENTIFIER.findall(head)
