@@ -294,12 +294,13 @@ class PinnedRoute(Route):
 
     def attn_decode(self, q, planes, pos, geometry, scale, n_head, gate, gate_offset, out_shape):
         # one dispatch where the cache is short enough for it, else the partial pass and the combine
-        if kernels.attention.one_dispatch(planes.shape[-2], planes.shape[-1]):
+        fused = kernels.attention.one_dispatch(planes.shape[-2], planes.shape[-1])
+        if fused:
             self.count("attn_decode_fused")
         else:
             self.count("attn_decode_partial + combine", 2)
         return kernels.attn_decode(q, planes, pos, geometry, scale, gate, n_head=n_head, gate_offset=gate_offset,
-                                   out_shape=out_shape)
+                                   out_shape=out_shape, fused=fused)
 
     def glu(self, gate, up, activation):
         self.count(f"{activation}_mul_inplace")

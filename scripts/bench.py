@@ -314,7 +314,7 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
         kv = (0.5 * mx.random.normal((2, 1, Hkv, cap, hd))).astype(mx.float16)
         geom = K.attention.decode_geometry(cap, window)
         pos = mx.array([ctx], dtype=mx.int32)
-        form = "one dispatch" if K.attention.fused_fits(cap, hd) else "partial + combine"
+        form = "one dispatch" if K.attention.one_dispatch(cap, hd) else "partial + combine"
         add(f"attn_decode {form}, ctx {ctx}, cap {cap}",
             lambda y, kv=kv, geom=geom, pos=pos: K.attn_decode(y, kv, pos, geom, hd ** -0.5, y, n_head=H), H * hd,
             2 * Hkv * (ctx + 1) * hd * 2)
