@@ -21,6 +21,11 @@ class _Planes:
     kv = None
     offset = 0
     window = 0  # 0: every past position stays visible
+    step = 256  # planes grow this many slots at a time
+
+    def _slots_for(self, total: int) -> int:
+        """``total`` positions' slots, rounded up to ``step``."""
+        return -(-total // self.step) * self.step
 
     @property
     def keys(self) -> mx.array | None:
@@ -93,8 +98,6 @@ def _plane_shape(k: mx.array) -> tuple[int, int, int]:
 class KVCache(_Planes):
     """Global layers: all positions, in a buffer grown ``step`` slots at a time (or reserved once)."""
 
-    step = 256
-
     def __init__(self):
         self.kv = None
         self.offset = 0
@@ -107,7 +110,7 @@ class KVCache(_Planes):
     def reserve(self, shape: tuple[int, int, int], dtype, total: int) -> None:
         """Make room for ``total`` positions of ``shape = (B, H, D)`` now, so decoding never reallocates."""
         if total > self.capacity:
-            self._allocate(shape, dtype, -(-total // self.step) * self.step)
+            self._allocate(shape, dtype, self._slots_for(total))
 
     def slot(self, position: int) -> int:
         return position
@@ -133,8 +136,6 @@ class RingKVCache(_Planes):
     (:func:`muse_mlx.kernels.attention.fused_fits`) and less memory.
     """
 
-    step = 256
-
     def __init__(self, window: int):
         if window < 1:
             raise ValueError(f"a sliding window must be at least 1, got {window}")
@@ -148,7 +149,7 @@ class RingKVCache(_Planes):
 
     def reserve(self, shape: tuple[int, int, int], dtype, total: int) -> None:
         """Room for positions ``0 .. total - 1``: ``total`` slots rounded up to ``step``, at most the window."""
-        need = min(self.window, -(-max(total, 1) // self.step) * self.step)
+        need = min(self.window, self._slots_for(max(total, 1)))
         if need > self.capacity:
             self._allocate(shape, dtype, need)
 

@@ -314,7 +314,7 @@ def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():
     assert names(mul_mv._QUANTIZE_Q8) == {"q8_group"}
     assert {"apply_activation", "gelu_tanh", "GELU_COEF_A"} <= names(mul_mv._GLU)
     assert "q4k_v4_dual_row_mac" not in names(mul_mv._GLU)
-    assert names(attention._COMBINE) == {"first_visible", "splits_used"}
+    assert names(attention._COMBINE) == {"first_visible", "splits_used", "attn_gate"}
     assert len(to_cuda(mul_mv._Q4_K.header)) < 0.65 * len(to_cuda(sections("mul_mv")["header"]))
 
 

@@ -16,11 +16,19 @@
 MUSE_FN int first_visible(int pos, int window) { return window > 0 ? max(0, pos - window + 1) : 0; }
 MUSE_FN int splits_used(int n, int cmax) { return (n + cmax - 1) / cmax; }
 
-// Half e (0..7) of eight packed in a 16-byte word (little-endian), as a float.
-MUSE_FN float half_of(uint4 w, uint e) {
-    const uint word = e < 4u ? (e < 2u ? w.x : w.y) : (e < 6u ? w.z : w.w);
+// Half e (0..1) of two packed in a 4-byte word (little-endian), as a float.
+MUSE_FN float half_in_word(uint word, uint e) {
     return float(as_type<half>(ushort((word >> (16u * (e & 1u))) & 0xFFFFu)));
 }
+
+// Half e (0..7) of eight packed in a 16-byte word (little-endian), as a float.
+MUSE_FN float half_of(uint4 w, uint e) {
+    return half_in_word(e < 4u ? (e < 2u ? w.x : w.y) : (e < 6u ? w.z : w.w), e);
+}
+
+// The attention output gate, as ggml_sigmoid then ggml_mul: o * (1 / (1 + exp(-g))). Both
+// forms of the attention end with it.
+MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g))); }
 
 // ==== kernel: qk_rope_pack
 // The decode path's step from the projections to the attention: the Q- and K-norms (NORM),
@@ -299,7 +307,7 @@ MUSE_FN float half_of(uint4 w, uint e) {
         }
     }
     float o = num / den;
-    if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + d])));
+    if (GATE) o = attn_gate(o, gate[GOFF + h * D + d]);
     out[h * D + d] = o;
 
 // ==== kernel: attn_decode_fused
@@ -387,9 +395,7 @@ MUSE_FN float half_of(uint4 w, uint e) {
                 if (jj < cnt) {
                     const float pj = pk[sg * CMAX + jj];
                     for (int e = 0; e < VPL; ++e) {
-                        const uint word = e < 2 ? vlo[jj] : vhi[jj];
-                        const float v = float(as_type<half>(ushort((word >> (16u * uint(e & 1))) & 0xFFFFu)));
-                        o[e] = fma(pj, v, o[e]);
+                        o[e] = fma(pj, half_in_word(e < 2 ? vlo[jj] : vhi[jj], uint(e)), o[e]);
                     }
                 }
             }
@@ -411,6 +417,6 @@ MUSE_FN float half_of(uint4 w, uint e) {
             }
         }
         float o = num / den;
-        if (GATE) o = o * (1.0f / (1.0f + exp(-gate[GOFF + h * D + tid])));
+        if (GATE) o = attn_gate(o, gate[GOFF + h * D + tid]);
         out[h * D + tid] = o;
     }

@@ -35,16 +35,21 @@ _LINE_COMMENT = re.compile(r"[ \t]*//[^\n]*")
 
 
 _INDENT_AND_BLANK_LINES = re.compile(r"^[ \t]+|\n(?=\n)", re.M)
+_PADDED_CONTINUATION = re.compile(r"[ \t]+\\\n")  # the padding before a macro's line continuation
+
+
+def _compact(text: str) -> str:
+    """``text`` without comments, indentation, blank lines or padding before line continuations:
+    MLX hashes a kernel's whole source on every launch (``CustomKernel::eval_gpu``, MLX 0.32), so
+    the text NVRTC sees is kept short (the .metal and .cuh files keep all of it for readers)."""
+    text = _INDENT_AND_BLANK_LINES.sub("", _LINE_COMMENT.sub("", text))
+    return _PADDED_CONTINUATION.sub("\\\n", text)
 
 
 def to_cuda(metal_text: str) -> str:
-    """The one textual change CUDA needs: Metal's address-space qualifiers.
-
-    Comments, indentation and blank lines are dropped too: MLX hashes a kernel's whole source on
-    every launch (``CustomKernel::eval_gpu``, MLX 0.32), so the text NVRTC sees is kept short
-    (the .metal files keep them for readers)."""
-    text = _INDENT_AND_BLANK_LINES.sub("", _LINE_COMMENT.sub("", metal_text))
-    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], text)
+    """The one textual change CUDA needs: Metal's address-space qualifiers (the text compacted, see
+    :func:`_compact`)."""
+    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], _compact(metal_text))
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -116,17 +121,18 @@ def _defined_name(item: str) -> str:
     return names[-1]
 
 
+@functools.lru_cache(maxsize=None)
 def needed_header(header: str, body: str) -> str:
     """The items of ``header`` that ``body`` calls, directly or through other items, in the
     header's order (preprocessor lines always). What a kernel does not call is not in its
-    source, so MLX's per-launch hash of the source (see :func:`to_cuda`) covers less text."""
+    source, so MLX's per-launch hash of the source (see :func:`_compact`) covers less text."""
     items = header_items(header)
     by_name: dict[str, list[int]] = {}
     for k, (name, _) in enumerate(items):
         if name is not None:
             by_name.setdefault(name, []).append(k)
     keep = {k for k, (name, _) in enumerate(items) if name is None}
-    todo = [_LINE_COMMENT.sub("", body)] + [items[k][1] for k in keep]
+    todo = [body] + [items[k][1] for k in keep]
     while todo:
         for ident in set(_IDENTIFIER.findall(_LINE_COMMENT.sub("", todo.pop()))):
             for k in by_name.get(ident, ()):
@@ -149,9 +155,8 @@ def sections(family: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def cuda_prelude() -> str:
-    """prelude.cuh as short as it reads the same (it is in every kernel's source: see to_cuda)."""
-    text = _INDENT_AND_BLANK_LINES.sub("", _LINE_COMMENT.sub("", (HERE / "prelude.cuh").read_text()))
-    return re.sub(r"[ \t]+\\\n", "\\\n", text)  # the padding before a macro's line continuations
+    """prelude.cuh, compacted (it is in every kernel's source: see :func:`_compact`)."""
+    return _compact((HERE / "prelude.cuh").read_text())
 
 
 def backend() -> str:
@@ -211,11 +216,6 @@ def constant(value, dtype=mx.float32) -> mx.array:
     return _CONSTANTS[key]
 
 
-@functools.lru_cache(maxsize=None)
-def _needed_header_cached(header: str, body: str) -> str:
-    return needed_header(header, body)
-
-
 _CUDA_TYPES = {
     mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.uint8: "uint8_t",
     mx.int8: "int8_t", mx.uint32: "uint32_t", mx.int32: "int32_t",
@@ -251,7 +251,7 @@ class Kernel:
     def header(self) -> str:
         """The helpers of this kernel's families (``uses``, then its own) that its body calls."""
         families = self.uses + (() if self.family is None else (self.family,))
-        return _needed_header_cached("".join(sections(f).get("header", "") for f in families), self.body)
+        return needed_header("".join(sections(f).get("header", "") for f in families), self.body)
 
     def build(self, which: str):
         if which not in self._built:
