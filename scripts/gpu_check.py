@@ -196,7 +196,7 @@ def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
 
 def check_geometries(rng, quick):
     """Every launch geometry against ggml's (NR0 = NSG = 2) on the GPU, all rows: the same bits."""
-    shapes = [(19968, 6656), (6656, 19968), (202048, 6656)] if not quick else [(37, 768)]
+    shapes = [(19968, 6656), (6656, 19968), (202048, 6656)] if not quick else [(37, 768), (37, 4864)]
     for rows, k in shapes:
         x = randn(rng, 2, k)
         for qtype, fn in ((T.Q4_K, K.mul_mv_q4_K), (T.Q6_K, K.mul_mv_q6_K)):
@@ -205,7 +205,7 @@ def check_geometries(rng, quick):
             w = random_blocks(rows, k, qtype, rng)
             ref = gpu(fn, x, w, geometry="ggml")
             for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "2x2x2", "2x4x2", "4x2x2", "4x4x2",
-                             "1x8x2"):
+                             "1x8x2", "2x2x1x1", "2x2x2x1", "4x4x1x1", "4x4x2x1", "1x2x1x1"):
                 compare(f"mul_mv_{qtype.name}_f32 {geometry} == ggml 2x2", f"{rows}x{k} T=2",
                         gpu(fn, x, w, geometry=geometry), ref, note="all rows")
 

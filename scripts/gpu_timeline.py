@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=4, help="tokens decoded before recording (default: %(default)s)")
     ap.add_argument("--not-compiled", action="store_true", help="run the decode step without mx.compile")
     ap.add_argument("--geometries", default="", help="comma-separated matvec geometries to trace, each Q4K/Q6K as "
-                    "NR0xNSG[xU] (e.g. 2x2x2/4x4x2), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
+                    "NR0xNSG[xU[xP]] (e.g. 2x2x2/4x4x1x1), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
     ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: trace every decode case once per value of the "
                     "environment variable NAME (a kernel switch such as MUSE_MLX_Q8_TAIL; read when the step is "
                     "traced), in turn, twice over")

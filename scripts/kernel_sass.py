@@ -507,7 +507,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nvcc", help="the nvcc to use (default: on PATH, else in $CUDATOOLS=/work/cudatools)")
     ap.add_argument("--compiler", choices=("nvcc", "nvrtc"), default="nvcc")
     ap.add_argument("--arch", default="sm_90a", help="default sm_90a: what MLX asks NVRTC for on an H100/H200")
-    ap.add_argument("--geometry", help="Q4_K geometries NR0xNSG[xU], comma-separated (default: CUDA tuned)")
+    ap.add_argument("--geometry", help="Q4_K geometries NR0xNSG[xU[xP]], comma-separated (default: CUDA tuned)")
     ap.add_argument("--geometry-q6k", help="Q6_K geometries, comma-separated (default: CUDA tuned)")
     ap.add_argument("--q8-geometry", help="q8 kernel geometries NR0xNSG, comma-separated (default: CUDA's)")
     ap.add_argument("--q8-pre-geometry", help="mul_mv_q4_K_q8_pre geometries NR0xNSGxLPR, comma-separated "

@@ -126,7 +126,20 @@ def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["ggml", "4x2", "2x2x2"])
+@pytest.mark.parametrize("geometry", ["2x2x1x1", "1x4x3x1", "4x2x2x1"])
+@pytest.mark.parametrize("k", [768, 3328, 4864])
+@pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
+def test_loads_issued_a_round_early_give_ggml_bits(kind, k, geometry):
+    """P = 1 (each round's loads issued before the round before is computed): rows of 3, 13
+    and 19 blocks, so lanes end on either set of registers, after one round or several, and
+    Q4_K's fourth lane column has no block at K = 768."""
+    w, y = qrows(13, k, kind), arr(2, k)
+    fn = K.mul_mv_q4_K if kind == "q4_K" else K.mul_mv_q6_K
+    assert_bits_equal(emulate_recorded(fn, y, w, geometry=geometry), mul_mv.ORACLES[kind](y, w))
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["ggml", "4x2", "2x2x2", "2x2x1x1"])
 def test_multi_kernel(geometry):
     y = arr(2, 512)
     ws = [(qrows(36, 512, "q4_K"), "q4_K"), (qrows(8, 512, "q4_K"), "q4_K"), (qrows(5, 512, "q6_K"), "q6_K"),
@@ -156,7 +169,7 @@ def test_absent_matrix_slots_do_not_repeat_a_matrix():
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["2x2", "4x2x2"])
+@pytest.mark.parametrize("geometry", ["2x2", "4x2x2", "2x2x1x1"])
 @pytest.mark.parametrize("kind,act", [("q4_K", "silu"), ("q6_K", "silu"), ("q4_K", "gelu_tanh")])
 def test_glu_kernel(kind, act, geometry):
     g, u, y = qrows(37, 768, kind), qrows(37, 768, kind), arr(2, 768, scale=0.2)

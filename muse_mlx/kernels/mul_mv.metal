@@ -141,12 +141,32 @@ MUSE_FN float4 dequant4(device const uchar* w, uint s) {
     return TYPE == 0 ? q4K_dequant4(w, s) : q6K_dequant4(w, s);
 }
 
+// The weight loads of one round of U blocks (jb, jb+4, ...) of each of NR rows: per block-row
+// the 16-byte header and the lane's two 8-byte quant runs. Past the row's end a block is read
+// again, not used.
+template <int NR, int U>
+MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint nb, uint qoff,
+                            thread uint4 (*hd)[NR], thread uint2 (*qa)[NR], thread uint2 (*qb)[NR]) {
+    for (int u = 0; u < U; ++u) {
+        const uint j = min(jb + 4u * u, nb - 1u);
+        for (int r = 0; r < NR; ++r) {
+            device const uchar* blk = row[r] + (ulong)j * 144u;
+            hd[u][r] = *(device const uint4*)blk;
+            qa[u][r] = *(device const uint2*)(blk + qoff);
+            qb[u][r] = *(device const uint2*)(blk + qoff + 64u);
+        }
+    }
+}
+
 // Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
 // against one activation row y: the lane's values of y are loaded once per block and shared by
-// every row, and the weight loads of U blocks (ib, ib+4, ...) of every row are issued before
-// any of them is used. Rows past the end read the last row again (the caller drops their sums).
-// Blocks are added to each row's sum in ggml's order whatever U is.
-template <int NA, int NB, int U>
+// every row, and the weight loads of a round of U blocks (ib, ib+4, ...) of every row are
+// issued before any of them is used. With P = 1 each round's loads are issued one round
+// earlier, before the arithmetic of the round before (two sets of registers, taken in turn),
+// so a SIMD group has loads in flight while it computes. Rows past the end read the last row
+// again (the caller drops their sums). Blocks are added to each row's sum in ggml's order
+// whatever U and P are.
+template <int NA, int NB, int U, int P>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
                            thread float* sumf) {
@@ -161,51 +181,75 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     }
     device const float* yb = y + ix * 256 + 64 * iq + 8 * ir;
     const uint magic = 0x4B000000u | (tiisg >> 5);  // tiisg < 32, so exactly the pattern -- in a register
-    for (uint ib = ix; ib < nb; ib += 4 * U) {
-        uint4 hd[U][NA + NB];
-        uint2 qa[U][NA + NB];
-        uint2 qb[U][NA + NB];
+    uint4 hd[P + 1][U][NA + NB];
+    uint2 qa[P + 1][U][NA + NB];
+    uint2 qb[P + 1][U][NA + NB];
+    if (P == 1) q4K_load_round<NA + NB, U>(row, ix, nb, qoff, hd[0], qa[0], qb[0]);
+    for (uint ib = ix; ib < nb; ib += 4 * U * (P + 1)) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const uint jb = min(ib + 4u * u, nb - 1u);  // past the row's end: re-read, not used
-            for (int r = 0; r < NA + NB; ++r) {
-                device const uchar* blk = row[r] + (ulong)jb * 144u;
-                hd[u][r] = *(device const uint4*)blk;
-                qa[u][r] = *(device const uint2*)(blk + qoff);
-                qb[u][r] = *(device const uint2*)(blk + qoff + 64u);
+        for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
+            const uint cb = ib + 4u * U * s;
+            if (s == 0 || cb < nb) {  // not `break`: s must stay a constant (see below)
+            // P = 0: this round's loads; P = 1: the next round's, into the other set
+            q4K_load_round<NA + NB, U>(row, cb + 4u * U * P, nb, qoff, hd[(s + P) % (P + 1)],
+                                       qa[(s + P) % (P + 1)], qb[(s + P) % (P + 1)]);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (cb + 4u * u < nb) {  // not `break`: the loop must unroll, or hd/qa/qb go to local memory
+                // yl = values 64iq+8ir+{0..7} and +32; yh = the same +128; sumy[k] sums each run of 8
+                device const float4* y4 = (device const float4*)(yb + (cb - ix + 4u * u) * 256u);
+                float yl[16];
+                float yh[16];
+                const float4 v0 = y4[0], v1 = y4[1], v2 = y4[8], v3 = y4[9];
+                const float4 v4 = y4[32], v5 = y4[33], v6 = y4[40], v7 = y4[41];
+                for (int j = 0; j < 4; ++j) {
+                    yl[j] = v0[j]; yl[j + 4] = v1[j]; yl[j + 8] = v2[j]; yl[j + 12] = v3[j];
+                    yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
+                }
+                float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int j = 0; j < 8; ++j) {
+                    sumy[0] += yl[j];
+                    sumy[1] += yl[j + 8];
+                    sumy[2] += yh[j];
+                    sumy[3] += yh[j + 8];
+                }
+                for (int r = 0; r < NA + NB; ++r)
+                    sumf[r] += q4K_block(hd[s][u][r], qa[s][u][r], qb[s][u][r], iq, yl, yh, sumy, magic);
+                }
+            }
             }
         }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (ib + 4u * u < nb) {  // not `break`: the loop must unroll, or hd/qa/qb go to local memory
-            // yl = values 64iq+8ir+{0..7} and +32; yh = the same +128; sumy[k] sums each run of 8
-            device const float4* y4 = (device const float4*)(yb + (ib - ix + 4u * u) * 256u);
-            float yl[16];
-            float yh[16];
-            const float4 v0 = y4[0], v1 = y4[1], v2 = y4[8], v3 = y4[9];
-            const float4 v4 = y4[32], v5 = y4[33], v6 = y4[40], v7 = y4[41];
-            for (int j = 0; j < 4; ++j) {
-                yl[j] = v0[j]; yl[j + 4] = v1[j]; yl[j + 8] = v2[j]; yl[j + 12] = v3[j];
-                yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
-            }
-            float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int j = 0; j < 8; ++j) {
-                sumy[0] += yl[j];
-                sumy[1] += yl[j + 8];
-                sumy[2] += yh[j];
-                sumy[3] += yh[j + 8];
-            }
-            for (int r = 0; r < NA + NB; ++r) sumf[r] += q4K_block(hd[u][r], qa[u][r], qb[u][r], iq, yl, yh, sumy, magic);
-            }
+    }
+}
+
+// The weight loads of one round of U Q6_K blocks (jb, jb+2, ...) of each of NR rows: the lane's
+// three quant words, its four int8 scales (one per byte) and d. Past the row's end a block is
+// read again, not used.
+template <int NR, int U>
+MUSE_FN void q6K_load_round(device const uchar* thread const* row, uint jb, uint nb, uint q_offset_l,
+                            uint q_offset_h, uint is, thread uint (*ql1)[NR], thread uint (*ql2)[NR],
+                            thread uint (*qh)[NR], thread uint (*sc)[NR], thread float (*d)[NR]) {
+    for (int u = 0; u < U; ++u) {
+        const uint j = min(jb + 2u * u, nb - 1u);
+        for (int r = 0; r < NR; ++r) {
+            device const uchar* blk = row[r] + (ulong)j * 210u;
+            ql1[u][r] = load_u32_from_u16(blk + q_offset_l);
+            ql2[u][r] = load_u32_from_u16(blk + q_offset_l + 32);
+            qh[u][r] = load_u32_from_u16(blk + q_offset_h);
+            // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
+            sc[u][r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
+                       | (uint(blk[198 + is]) << 24);
+            d[u][r] = float(*(device const half*)(blk + 208));
         }
     }
 }
 
 // Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
-// Blocks are 2-byte aligned, so quants are read as ushorts. As for Q4_K, the loads of U blocks
-// (i, i+2, ...) of every row are issued before any is used; blocks are added in ggml's order.
-template <int NA, int NB, int U>
+// Blocks are 2-byte aligned, so quants are read as ushorts. As for Q4_K, the loads of a round of
+// U blocks (i, i+2, ...) of every row are issued before any is used, with P = 1 one round
+// earlier still; blocks are added in ggml's order.
+template <int NA, int NB, int U, int P>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
                            thread float* sumf) {
@@ -223,64 +267,60 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
         row[r] = r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes;
         sumf[r] = 0.0f;
     }
-    for (uint i = ix; i < nb; i += 2 * U) {
-        uint ql1[U][NA + NB];
-        uint ql2[U][NA + NB];
-        uint qh[U][NA + NB];
-        uint sc[U][NA + NB];
-        float d[U][NA + NB];
+    uint ql1[P + 1][U][NA + NB];
+    uint ql2[P + 1][U][NA + NB];
+    uint qh[P + 1][U][NA + NB];
+    uint sc[P + 1][U][NA + NB];
+    float d[P + 1][U][NA + NB];
+    if (P == 1) q6K_load_round<NA + NB, U>(row, ix, nb, q_offset_l, q_offset_h, is, ql1[0], ql2[0], qh[0], sc[0], d[0]);
+    for (uint i = ix; i < nb; i += 2 * U * (P + 1)) {
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const uint jb = min(i + 2u * u, nb - 1u);  // past the row's end: re-read, not used
-            for (int r = 0; r < NA + NB; ++r) {
-                device const uchar* blk = row[r] + (ulong)jb * 210u;
-                ql1[u][r] = load_u32_from_u16(blk + q_offset_l);
-                ql2[u][r] = load_u32_from_u16(blk + q_offset_l + 32);
-                qh[u][r] = load_u32_from_u16(blk + q_offset_h);
-                // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
-                sc[u][r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
-                           | (uint(blk[198 + is]) << 24);
-                d[u][r] = float(*(device const half*)(blk + 208));
-            }
-        }
+        for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
+            const uint ci = i + 2u * U * s;
+            if (s == 0 || ci < nb) {  // not `break` (see q4K_lane_sums)
+            const int ls = (s + P) % (P + 1);  // P = 0: this round's loads; P = 1: the next round's
+            q6K_load_round<NA + NB, U>(row, ci + 2u * U * P, nb, q_offset_l, q_offset_h, is, ql1[ls], ql2[ls],
+                                       qh[ls], sc[ls], d[ls]);
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (i + 2u * u < nb) {  // not `break`: the loop must unroll (see q4K_lane_sums)
-            // yl[4l + k] = y[l + 32k] (ggml's order); each run of four is one 16-byte load
-            device const float4* yy = (device const float4*)(y + (i + 2u * u) * 256 + 128 * ip + l0);
-            float yl[16];
-            for (int k = 0; k < 4; ++k) {
-                const float4 v = yy[8 * k];
-                for (int l = 0; l < 4; ++l) yl[4 * l + k] = v[l];
-            }
-            for (int r = 0; r < NA + NB; ++r) {
-                // the 6-bit codes of values l = 0..3 of the four runs, one byte each, four to a word:
-                // run 0 = low nibbles of ql1 | qh bits 0-1, run 1 = ql2 | bits 2-3, run 2 = high
-                // nibbles of ql1 | bits 4-5, run 3 = ql2 | bits 6-7
-                const uint code0 = (ql1[u][r] & 0x0F0F0F0Fu) | ((qh[u][r] << 4) & 0x30303030u);
-                const uint code1 = (ql2[u][r] & 0x0F0F0F0Fu) | ((qh[u][r] << 2) & 0x30303030u);
-                const uint code2 = ((ql1[u][r] >> 4) & 0x0F0F0F0Fu) | (qh[u][r] & 0x30303030u);
-                const uint code3 = ((ql2[u][r] >> 4) & 0x0F0F0F0Fu) | ((qh[u][r] >> 2) & 0x30303030u);
-                float4 sums = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int l = 0; l < 4; ++l) {
-                    // (6-bit code) - 32, exactly: the code in the mantissa of 2^23, minus 2^23 + 32
-                    sums[0] = fma(yl[4 * l + 0], as_type<float>(byte_magic(code0, uint(l), magic)) - 8388640.0f, sums[0]);
-                    sums[1] = fma(yl[4 * l + 1], as_type<float>(byte_magic(code1, uint(l), magic)) - 8388640.0f, sums[1]);
-                    sums[2] = fma(yl[4 * l + 2], as_type<float>(byte_magic(code2, uint(l), magic)) - 8388640.0f, sums[2]);
-                    sums[3] = fma(yl[4 * l + 3], as_type<float>(byte_magic(code3, uint(l), magic)) - 8388640.0f, sums[3]);
+            for (int u = 0; u < U; ++u) {
+                if (ci + 2u * u < nb) {  // not `break`: the loop must unroll (see q4K_lane_sums)
+                // yl[4l + k] = y[l + 32k] (ggml's order); each run of four is one 16-byte load
+                device const float4* yy = (device const float4*)(y + (ci + 2u * u) * 256 + 128 * ip + l0);
+                float yl[16];
+                for (int k = 0; k < 4; ++k) {
+                    const float4 v = yy[8 * k];
+                    for (int l = 0; l < 4; ++l) yl[4 * l + k] = v[l];
                 }
-                // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6]), the int8 scales exact in float
-                // (an int8 s as s + 128 in the mantissa of 2^23, minus 2^23 + 128: exact, no I2F)
-                const uint sx = sc[u][r] ^ 0x80808080u;
-                const float s0 = as_type<float>(byte_magic(sx, 0u, magic)) - 8388736.0f;
-                const float s2 = as_type<float>(byte_magic(sx, 1u, magic)) - 8388736.0f;
-                const float s4 = as_type<float>(byte_magic(sx, 2u, magic)) - 8388736.0f;
-                const float s6 = as_type<float>(byte_magic(sx, 3u, magic)) - 8388736.0f;
-                float scaled = sums[1] * s2;
-                scaled = fma(sums[0], s0, scaled);
-                scaled = fma(sums[2], s4, scaled);
-                scaled = fma(sums[3], s6, scaled);
-                sumf[r] = fma(d[u][r], scaled, sumf[r]);
+                for (int r = 0; r < NA + NB; ++r) {
+                    // the 6-bit codes of values l = 0..3 of the four runs, one byte each, four to a word:
+                    // run 0 = low nibbles of ql1 | qh bits 0-1, run 1 = ql2 | bits 2-3, run 2 = high
+                    // nibbles of ql1 | bits 4-5, run 3 = ql2 | bits 6-7
+                    const uint code0 = (ql1[s][u][r] & 0x0F0F0F0Fu) | ((qh[s][u][r] << 4) & 0x30303030u);
+                    const uint code1 = (ql2[s][u][r] & 0x0F0F0F0Fu) | ((qh[s][u][r] << 2) & 0x30303030u);
+                    const uint code2 = ((ql1[s][u][r] >> 4) & 0x0F0F0F0Fu) | (qh[s][u][r] & 0x30303030u);
+                    const uint code3 = ((ql2[s][u][r] >> 4) & 0x0F0F0F0Fu) | ((qh[s][u][r] >> 2) & 0x30303030u);
+                    float4 sums = {0.0f, 0.0f, 0.0f, 0.0f};
+                    for (int l = 0; l < 4; ++l) {
+                        // (6-bit code) - 32, exactly: the code in the mantissa of 2^23, minus 2^23 + 32
+                        sums[0] = fma(yl[4 * l + 0], as_type<float>(byte_magic(code0, uint(l), magic)) - 8388640.0f, sums[0]);
+                        sums[1] = fma(yl[4 * l + 1], as_type<float>(byte_magic(code1, uint(l), magic)) - 8388640.0f, sums[1]);
+                        sums[2] = fma(yl[4 * l + 2], as_type<float>(byte_magic(code2, uint(l), magic)) - 8388640.0f, sums[2]);
+                        sums[3] = fma(yl[4 * l + 3], as_type<float>(byte_magic(code3, uint(l), magic)) - 8388640.0f, sums[3]);
+                    }
+                    // sumf += d * (S0*sc[0] + S1*sc[2] + S2*sc[4] + S3*sc[6]), the int8 scales exact in float
+                    // (an int8 s as s + 128 in the mantissa of 2^23, minus 2^23 + 128: exact, no I2F)
+                    const uint sx = sc[s][u][r] ^ 0x80808080u;
+                    const float s0 = as_type<float>(byte_magic(sx, 0u, magic)) - 8388736.0f;
+                    const float s2 = as_type<float>(byte_magic(sx, 1u, magic)) - 8388736.0f;
+                    const float s4 = as_type<float>(byte_magic(sx, 2u, magic)) - 8388736.0f;
+                    const float s6 = as_type<float>(byte_magic(sx, 3u, magic)) - 8388736.0f;
+                    float scaled = sums[1] * s2;
+                    scaled = fma(sums[0], s0, scaled);
+                    scaled = fma(sums[2], s4, scaled);
+                    scaled = fma(sums[3], s6, scaled);
+                    sumf[r] = fma(d[s][u][r], scaled, sumf[r]);
+                }
+                }
             }
             }
         }
@@ -288,15 +328,15 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 }
 
 // The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K).
-template <int TYPE, int NR0, int U>
+template <int TYPE, int NR0, int U, int P>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
                       device const float* y, uint tiisg, thread float* sumf) {
     const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0, U>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+        q4K_lane_sums<NR0, 0, U, P>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     } else {
-        q6K_lane_sums<NR0, 0, U>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+        q6K_lane_sums<NR0, 0, U, P>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     }
 }
 
@@ -372,14 +412,14 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: mul_mv_q4_K_f32
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads in flight per row
+// U blocks of loads per row in a round, P = 1 issuing each round's loads a round early
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
-    row_sums<0, NR0, U>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    row_sums<0, NR0, U, P>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -388,14 +428,14 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: mul_mv_q6_K_f32
 // inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads in flight per row
+// U blocks of loads per row in a round, P = 1 issuing each round's loads a round early
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     float sumf[NR0];
-    row_sums<1, NR0, U>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    row_sums<1, NR0, U, P>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -405,7 +445,7 @@ MUSE_FN float lane_group_sum(float v) {
 // Up to four matrices that read the same activations (q, k, v and the attention gate), in one
 // dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
 // kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
-// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG.
+// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG, U, P.
 // inputs: w0..w3 (absent ones: a placeholder, never read), y [T, K]; outputs: dst [T, R0+R1+R2+R3]
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -430,9 +470,9 @@ MUSE_FN float lane_group_sum(float v) {
     float sumf[NR0];
     device const float* yt = y + (ulong)t * K;
     if (type == 0) {
-        row_sums<0, NR0, U>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+        row_sums<0, NR0, U, P>(w, first_row, rows, K / 256, yt, tiisg, sumf);
     } else {
-        row_sums<1, NR0, U>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+        row_sums<1, NR0, U, P>(w, first_row, rows, K / 256, yt, tiisg, sumf);
     }
     const uint total_rows = R0 + R1 + R2 + R3;
     for (int r = 0; r < NR0; ++r) {
@@ -459,9 +499,9 @@ MUSE_FN float lane_group_sum(float v) {
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0, U>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+        q4K_lane_sums<NR0, NR0, U, P>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     } else {
-        q6K_lane_sums<NR0, NR0, U>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+        q6K_lane_sums<NR0, NR0, U, P>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     }
     for (int r = 0; r < NR0; ++r) {
         const float gate = simd_sum(sumf[r]);
@@ -558,7 +598,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint nb = K / 256;
     float sumf[2 * NR0];
     if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
-        row_sums<1, NR0, 1>(w, first_row, rows, nb, yt, tiisg, sumf);
+        row_sums<1, NR0, 1, 0>(w, first_row, rows, nb, yt, tiisg, sumf);
     } else {
         const uint row_bytes = nb * 144u;
         device const uchar* rp[2 * NR0];

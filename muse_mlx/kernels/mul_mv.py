@@ -161,12 +161,13 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
         return fp.simd_sum(lanes).reshape(*y.shape[:-1], R)
 
 
-# Matvec geometries: rows per SIMD group (NR0), SIMD groups per threadgroup (NSG), and blocks
-# of loads in flight per row (U). They decide occupancy and load sharing, never bits
+# Matvec geometries: rows per SIMD group (NR0), SIMD groups per threadgroup (NSG), blocks of
+# loads per row in a round (U), and whether each round's loads are issued a round early (P).
+# They decide occupancy, load sharing and latency hiding, never bits
 # (each row is one SIMD group's butterfly over lanes whose sums do not depend on them). "ggml"
 # is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance.md).
 MV_GEOMETRIES = {
-    "ggml": (2, 2, 1),
+    "ggml": (2, 2, 1, 0),
     # H200, 2026-12-01, timed inside a real decode (scripts/gpu_timeline.py --geometries, per
     # kernel; docs/performance.md): two blocks of loads in flight (U = 2) take the Q6_K ffn_down
     # from 88.7 to 64.3 us and the GLU from 74.0 to 70.0 us; the Q4_K ffn_down alone prefers U = 1
@@ -175,22 +176,26 @@ MV_GEOMETRIES = {
     # matrix stays in L2.) So a lone Q4_K matrix (ffn_down, attn_output: "q4_K single") keeps
     # U = 1, and the GLU and the fused projections (two or more matrices: "q4_K") take U = 2.
     # Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 2), "q4_K single": (2, 2, 1), "q6_K": (4, 4, 2)},
-              "metal": {"q4_K": (2, 2, 1), "q4_K single": (2, 2, 1), "q6_K": (2, 2, 1)}},
+    "tuned": {"cuda": {"q4_K": (2, 2, 2, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (4, 4, 2, 0)},
+              "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (2, 2, 1, 0)}},
 }
 _GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q4_K single": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
 
 
-def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int]:
-    """``(NR0, NSG, U)`` of a named geometry or of ``"NR0xNSG[xU]"``. "tuned" is per backend and
-    kind ("q4_K", "q4_K single", "q6_K"); ``MUSE_MLX_MV_GEOMETRY`` (Q4_K, both kinds) and
-    ``MUSE_MLX_MV_GEOMETRY_Q6K`` override it."""
+def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int, int]:
+    """``(NR0, NSG, U, P)`` of a named geometry or of ``"NR0xNSG[xU[xP]]"`` (U defaults to 1, P
+    to 0). "tuned" is per backend and kind ("q4_K", "q4_K single", "q6_K");
+    ``MUSE_MLX_MV_GEOMETRY`` (Q4_K, both kinds) and ``MUSE_MLX_MV_GEOMETRY_Q6K`` override it."""
     if "x" in geometry:
-        parts = [int(v) for v in geometry.split("x")]
-        nr0, nsg, u = (parts + [1])[:3]
-        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and u in (1, 2, 3, 4) and len(parts) in (2, 3)):
-            raise ValueError(f"matvec geometry {geometry!r}: NR0 must be 1..8, NSG 1..32, U 1..4")
-        return nr0, nsg, u
+        try:
+            parts = [int(v) for v in geometry.split("x")]
+        except ValueError:
+            parts = []
+        nr0, nsg, u, p = (parts + [1, 0][len(parts) - 2:])[:4] if 2 <= len(parts) <= 4 else (0, 0, 0, 0)
+        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and u in (1, 2, 3, 4) and p in (0, 1)):
+            raise ValueError(f"matvec geometry {geometry!r}: expected NR0xNSG[xU[xP]] with NR0 1..8, "
+                             "NSG 1..32, U 1..4, P 0 or 1")
+        return nr0, nsg, u, p
     if geometry not in MV_GEOMETRIES:
         raise ValueError(f"unknown matvec geometry {geometry!r} (choose from {', '.join(MV_GEOMETRIES)})")
     g = MV_GEOMETRIES[geometry]
@@ -198,7 +203,7 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
         env = os.environ.get(_GEOMETRY_ENV[kind])
         if env:
             return mv_geometry(env.lower(), which)
-        return g.get(which, {}).get(kind, (2, 2, 1))
+        return g.get(which, {}).get(kind, MV_GEOMETRIES["ggml"])
     return g
 
 
@@ -222,10 +227,10 @@ def _launch(kernel, y, w, block_bytes, which, geometry):
     R = w.shape[0]
     K = w.shape[1] // block_bytes * 256
     y, T = _tokens(y, K)
-    nr0, nsg, u = mv_geometry(geometry, which, "q4_K single" if block_bytes == 144 else "q6_K")
+    nr0, nsg, u, p = mv_geometry(geometry, which, "q4_K single" if block_bytes == 144 else "q6_K")
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u)], which=which,
+        template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)], which=which,
     )
     return dst
 
@@ -275,10 +280,10 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
     if which == "cpu":
         return mx.concatenate([ORACLES[kind](y, w) for w, kind in weights], axis=-1)
     y, T = _tokens(y, K)
-    nr0, nsg, u = mv_geometry(geometry, which)
+    nr0, nsg, u, p = mv_geometry(geometry, which)
     per_tg = nr0 * nsg
     mats, rows, kinds = _four_slots(weights)
-    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u)]
+    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
@@ -300,12 +305,12 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
         g, u = ORACLES[kind](y, w_gate), ORACLES[kind](y, w_up)
         return silu_oracle(g, u) if activation == "silu" else gelu_oracle(g, u)
     y, T = _tokens(y, K)
-    nr0, nsg, u = mv_geometry(geometry, which, kind)
+    nr0, nsg, u, p = mv_geometry(geometry, which, kind)
     (dst,) = _GLU(
         [w_gate, w_up, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
-                  ("NR0", nr0), ("NSG", nsg), ("U", u)], which=which,
+                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)], which=which,
     )
     return dst
 
