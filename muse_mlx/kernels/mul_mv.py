@@ -175,8 +175,12 @@ MV_GEOMETRIES = {
     # timings, which replay one matrix, had shown no geometry clearly ahead: part of a replayed
     # matrix stays in L2.) So a lone Q4_K matrix (ffn_down, attn_output: "q4_K single") keeps
     # U = 1, and the GLU and the fused projections (two or more matrices: "q4_K") take U = 2.
+    # Ninth session (same tool, 30e2bee): issuing each round's loads a round early (P = 1) beats
+    # both, at U = 1 on every Q4_K matrix (GLU 70.0 -> 65.7 us, ffn_down 42.4 -> 38.6, attn_out
+    # 10.65 -> 9.97, q|k|v|gate 20.97 -> 19.10) and on the Q6_K ffn_down at 2x4 (63.6 -> 60.8;
+    # the head 409 -> 431, a smaller loss); with U = 2 the Q6_K kernels were slower (88-103 us).
     # Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 2, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (4, 4, 2, 0)},
+    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 1)},
               "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (2, 2, 1, 0)}},
 }
 _GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q4_K single": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
