@@ -205,7 +205,8 @@ def check_geometries(rng, quick):
             w = random_blocks(rows, k, qtype, rng)
             ref = gpu(fn, x, w, geometry="ggml")
             for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "2x2x2", "2x4x2", "4x2x2", "4x4x2",
-                             "1x8x2", "2x2x1x1", "2x2x2x1", "4x4x1x1", "4x4x2x1", "1x2x1x1"):
+                             "1x8x2", "2x2x1x1", "2x2x2x1", "4x4x1x1", "4x4x2x1", "1x2x1x1", "2x2x1x2", "2x4x1x2",
+                             "2x2x1x3"):
                 compare(f"mul_mv_{qtype.name}_f32 {geometry} == ggml 2x2", f"{rows}x{k} T=2",
                         gpu(fn, x, w, geometry=geometry), ref, note="all rows")
 

@@ -126,11 +126,11 @@ def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["2x2x1x1", "1x4x3x1", "4x2x2x1"])
+@pytest.mark.parametrize("geometry", ["2x2x1x1", "1x4x3x1", "4x2x2x1", "2x2x1x2", "1x2x2x3"])
 @pytest.mark.parametrize("k", [768, 3328, 4864])
 @pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
 def test_loads_issued_a_round_early_give_ggml_bits(kind, k, geometry):
-    """P = 1 (each round's loads issued before the round before is computed): rows of 3, 13
+    """P > 0 (each round's loads issued P rounds before it is computed): rows of 3, 13
     and 19 blocks, so lanes end on either set of registers, after one round or several, and
     Q4_K's fourth lane column has no block at K = 768."""
     w, y = qrows(13, k, kind), arr(2, k)

@@ -161,11 +161,11 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
 // Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
 // against one activation row y: the lane's values of y are loaded once per block and shared by
 // every row, and the weight loads of a round of U blocks (ib, ib+4, ...) of every row are
-// issued before any of them is used. With P = 1 each round's loads are issued one round
-// earlier, before the arithmetic of the round before (two sets of registers, taken in turn),
-// so a SIMD group has loads in flight while it computes. Rows past the end read the last row
-// again (the caller drops their sums). Blocks are added to each row's sum in ggml's order
-// whatever U and P are.
+// issued before any of them is used. With P > 0 each round's loads are issued P rounds
+// earlier, before the arithmetic of the P rounds before (P + 1 sets of registers, taken in
+// turn), so a SIMD group has loads in flight while it computes. Rows past the end read the
+// last row again (the caller drops their sums). Blocks are added to each row's sum in ggml's
+// order whatever U and P are.
 template <int NA, int NB, int U, int P>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
@@ -184,13 +184,14 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     uint4 hd[P + 1][U][NA + NB];
     uint2 qa[P + 1][U][NA + NB];
     uint2 qb[P + 1][U][NA + NB];
-    if (P == 1) q4K_load_round<NA + NB, U>(row, ix, nb, qoff, hd[0], qa[0], qb[0]);
+    for (int e = 0; e < P; ++e)  // the first P rounds' loads
+        q4K_load_round<NA + NB, U>(row, ix + 4u * U * e, nb, qoff, hd[e], qa[e], qb[e]);
     for (uint ib = ix; ib < nb; ib += 4 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
             const uint cb = ib + 4u * U * s;
             if (s == 0 || cb < nb) {  // not `break`: s must stay a constant (see below)
-            // P = 0: this round's loads; P = 1: the next round's, into the other set
+            // P = 0: this round's loads; else those P rounds ahead, into the set used last
             q4K_load_round<NA + NB, U>(row, cb + 4u * U * P, nb, qoff, hd[(s + P) % (P + 1)],
                                        qa[(s + P) % (P + 1)], qb[(s + P) % (P + 1)]);
 #pragma unroll
@@ -247,7 +248,7 @@ MUSE_FN void q6K_load_round(device const uchar* thread const* row, uint jb, uint
 // Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
 // Blocks are 2-byte aligned, so quants are read as ushorts. As for Q4_K, the loads of a round of
-// U blocks (i, i+2, ...) of every row are issued before any is used, with P = 1 one round
+// U blocks (i, i+2, ...) of every row are issued before any is used, with P > 0 P rounds
 // earlier still; blocks are added in ggml's order.
 template <int NA, int NB, int U, int P>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
@@ -272,13 +273,15 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     uint qh[P + 1][U][NA + NB];
     uint sc[P + 1][U][NA + NB];
     float d[P + 1][U][NA + NB];
-    if (P == 1) q6K_load_round<NA + NB, U>(row, ix, nb, q_offset_l, q_offset_h, is, ql1[0], ql2[0], qh[0], sc[0], d[0]);
+    for (int e = 0; e < P; ++e)  // the first P rounds' loads
+        q6K_load_round<NA + NB, U>(row, ix + 2u * U * e, nb, q_offset_l, q_offset_h, is, ql1[e], ql2[e], qh[e],
+                                   sc[e], d[e]);
     for (uint i = ix; i < nb; i += 2 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
             const uint ci = i + 2u * U * s;
             if (s == 0 || ci < nb) {  // not `break` (see q4K_lane_sums)
-            const int ls = (s + P) % (P + 1);  // P = 0: this round's loads; P = 1: the next round's
+            const int ls = (s + P) % (P + 1);  // P = 0: this round's loads; else those P rounds ahead
             q6K_load_round<NA + NB, U>(row, ci + 2u * U * P, nb, q_offset_l, q_offset_h, is, ql1[ls], ql2[ls],
                                        qh[ls], sc[ls], d[ls]);
 #pragma unroll
@@ -412,7 +415,7 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: mul_mv_q4_K_f32
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads per row in a round, P = 1 issuing each round's loads a round early
+// U blocks of loads per row in a round, each round's loads issued P rounds early
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
@@ -428,7 +431,7 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: mul_mv_q6_K_f32
 // inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads per row in a round, P = 1 issuing each round's loads a round early
+// U blocks of loads per row in a round, each round's loads issued P rounds early
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;

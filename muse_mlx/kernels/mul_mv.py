@@ -162,7 +162,7 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
 
 
 # Matvec geometries: rows per SIMD group (NR0), SIMD groups per threadgroup (NSG), blocks of
-# loads per row in a round (U), and whether each round's loads are issued a round early (P).
+# loads per row in a round (U), and how many rounds early each round's loads are issued (P).
 # They decide occupancy, load sharing and latency hiding, never bits
 # (each row is one SIMD group's butterfly over lanes whose sums do not depend on them). "ggml"
 # is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance.md).
@@ -196,9 +196,9 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
         except ValueError:
             parts = []
         nr0, nsg, u, p = (parts + [1, 0][len(parts) - 2:])[:4] if 2 <= len(parts) <= 4 else (0, 0, 0, 0)
-        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and u in (1, 2, 3, 4) and p in (0, 1)):
+        if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and u in (1, 2, 3, 4) and 0 <= p <= 3):
             raise ValueError(f"matvec geometry {geometry!r}: expected NR0xNSG[xU[xP]] with NR0 1..8, "
-                             "NSG 1..32, U 1..4, P 0 or 1")
+                             "NSG 1..32, U 1..4, P 0..3")
         return nr0, nsg, u, p
     if geometry not in MV_GEOMETRIES:
         raise ValueError(f"unknown matvec geometry {geometry!r} (choose from {', '.join(MV_GEOMETRIES)})")
