@@ -185,7 +185,8 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
     return rows
 
 
-SWEEP = ("2x2", "1x4", "2x4", "4x2", "4x4", "2x8", "1x8", "2x2x2", "2x4x2", "4x2x2", "1x4x2", "1x8x2")
+SWEEP = ("2x2", "1x4", "2x4", "4x2", "4x4", "2x8", "1x8", "2x2x2", "2x4x2", "4x2x2", "1x4x2", "1x8x2",
+         "2x2x1x1", "2x4x1x1", "2x2x1x2")
 Q8_SWEEP = ("2x4", "4x4", "4x8", "2x8", "8x4", "1x8", "8x8", "4x2")
 
 
@@ -564,7 +565,7 @@ def main(argv=None) -> int:
     log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s")
 
     if args.sweep or args.tune:
-        log("matvec bandwidth per launch geometry (NR0xNSG[xU]):")
+        log("matvec bandwidth per launch geometry (NR0xNSG[xU[xP]]):")
         report["sweep"] = geometry_sweep(args.kernel_reps, rng)
         if args.sweep:
             if args.json:

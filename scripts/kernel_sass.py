@@ -38,7 +38,7 @@ with the NVRTC the GPU machine's MLX loads.
 Examples::
 
     python scripts/kernel_sass.py                                  # every release call
-    python scripts/kernel_sass.py --kernel q4_K_f32 --sweep        # NR0/NSG/U variants
+    python scripts/kernel_sass.py --kernel q4_K_f32 --sweep        # NR0/NSG/U/P variants
     python scripts/kernel_sass.py --kernel mul_mv_q4_K_f32 --sass > q4k.sass
     python scripts/kernel_sass.py --kernel q6_K_f32 --loops        # each loop's opcode mix
 """
@@ -86,7 +86,8 @@ put that folder on PATH, or leave the venv at {CUDATOOLS} (set $CUDATOOLS for an
 # Release shapes (muse_mlx.writer MUSE_GLIMMER_30B, synthetic.RELEASE_VOCAB).
 D, FF, QW, KVW, VOCAB, HEADS, HEADS_KV, HEAD_DIM, CTX = 6656, 19968, 4096, 256, 202048, 32, 2, 128, 8192
 BLOCK = {"q4_K": 144, "q6_K": 210}
-SWEEP = ["1x4x1", "2x2x1", "2x2x2", "2x2x4", "2x4x1", "4x2x1", "4x2x2", "4x4x1", "8x1x1", "8x2x1"]
+SWEEP = ["1x4x1", "2x2x1", "2x2x2", "2x2x4", "2x4x1", "4x2x1", "4x2x2", "4x4x1", "8x1x1", "8x2x1", "2x2x1x1",
+         "2x4x1x1", "2x2x1x2"]
 
 KEY_OPS = {  # column -> SASS base opcodes counted in it
     "FFMA": ("FFMA",), "FADD": ("FADD",), "FMUL": ("FMUL",), "LOP3": ("LOP3",), "SHF": ("SHF",),
