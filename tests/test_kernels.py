@@ -91,6 +91,23 @@ def test_norm_thread_rules(n, seeds, llama):
     assert K.norm_threads(n, "seeds") == seeds and K.norm_threads(n, "llama") == llama
 
 
+def test_matvec_geometry_strings(monkeypatch):
+    """NR0xNSG[xU[xP]]: U defaults to 1 and P to 0; the environment overrides "tuned" for its kind
+    only; a bad string names itself and the form expected."""
+    from muse_mlx.kernels import mul_mv
+
+    assert mul_mv.mv_geometry("4x2", "cuda") == (4, 2, 1, 0)
+    assert mul_mv.mv_geometry("2x4x3", "cuda") == (2, 4, 3, 0)
+    assert mul_mv.mv_geometry("2x2x1x2", "cuda") == (2, 2, 1, 2)
+    assert mul_mv.mv_geometry("ggml", "cuda") == (2, 2, 1, 0)
+    monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY_Q6K", "1x8x1x3")
+    assert mul_mv.mv_geometry("tuned", "cuda", "q6_K") == (1, 8, 1, 3)
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K") == mul_mv.MV_GEOMETRIES["tuned"]["cuda"]["q4_K"]
+    for bad in ("2x2x1x4", "2x2x0", "0x2", "2x2x1x1x1", "2xa", "9x2"):
+        with pytest.raises(ValueError, match=rf"{bad}.*NR0xNSG\[xU\[xP\]\]"):
+            mul_mv.mv_geometry(bad, "cuda")
+
+
 # -- oracles against float64 ---------------------------------------------------------------
 
 # A float32 norm of n terms: relative error a few 2^-24 plus the sum's ~log2(n) roundings.
