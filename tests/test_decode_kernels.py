@@ -152,8 +152,6 @@ def test_multi_kernel(geometry):
 def test_absent_matrix_slots_do_not_repeat_a_matrix():
     """A multi kernel's unused slots hold a 16-byte placeholder, not copies of a matrix: MLX's
     CUDA backend adds every input's size to its graph's, and commits a graph per 1,000 MB."""
-    from muse_mlx.kernels.backend import Kernel
-
     y, a, b = arr(1, 512), qrows(64, 512, "q4_K"), qrows(64, 512, "q4_K")
     calls = [lambda: K.mul_mv_multi(y, [(a, "q4_K")], which="record"),
              lambda: K.mul_mv_q8(y, [(a, "q4_K")], which="record"),

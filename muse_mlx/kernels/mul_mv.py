@@ -195,7 +195,9 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
             parts = [int(v) for v in geometry.split("x")]
         except ValueError:
             parts = []
-        nr0, nsg, u, p = (parts + [1, 0][len(parts) - 2:])[:4] if 2 <= len(parts) <= 4 else (0, 0, 0, 0)
+        if not 2 <= len(parts) <= 4:
+            parts = [0, 0]  # fails the check below
+        nr0, nsg, u, p = parts + [1, 0][len(parts) - 2:]  # U defaults to 1, P to 0
         if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and u in (1, 2, 3, 4) and 0 <= p <= 3):
             raise ValueError(f"matvec geometry {geometry!r}: expected NR0xNSG[xU[xP]] with NR0 1..8, "
                              "NSG 1..32, U 1..4, P 0..3")
