@@ -178,7 +178,7 @@ class Block(nn.Module):
         mid = tap("ffn_act", route.ffn_gate_up(f, self.ffn_gate, self.ffn_up, self.cfg.activation), il)
         d = tap("ffn_out", route.linear(mid, self.ffn_down), il)
         post = self.post_ffw_norm if self.cfg.post_norm_eps is not None else None
-        hidden, a = route.residual_norm(hidden, d, post, next_norm)
+        hidden, a = route.residual_norm(hidden, d, post, next_norm, feeds_head=last)
         # the next layer's pre-norm comes out of this tail (or the output norm, after the last)
         return tap("l_out", hidden, il), tap("result_norm" if last else "attn_norm", a, -1 if last else il + 1)
 

@@ -90,9 +90,10 @@ class Route:
         raise NotImplementedError
 
     def residual_norm(self, hidden: mx.array, src: mx.array, post: Norm | None, nxt: Norm,
-                      feeds_ffn: bool = False):
+                      feeds_ffn: bool = False, feeds_head: bool = False):
         """``hidden += post(src)`` (or ``+= src`` without a post norm); return ``(hidden, nxt(hidden))``.
-        ``feeds_ffn``: the result is the FFN's input (a route may prepare it for its FFN kernel).
+        ``feeds_ffn``: the result is the FFN's input (a route may prepare it for its FFN kernel);
+        ``feeds_head``: it is the output norm's, for the vocabulary head (nothing to prepare).
 
         Unfused here: the route's own norm, an add, the norm again."""
         if post is not None:
@@ -199,6 +200,7 @@ class PinnedRoute(Route):
         super().__init__(flags)
         self.geometry = "llama"
         self._q8_of = None  # (a tail's output, its q8 form) until the GLU after it takes them
+        self._prep_of = None  # (a tail's output, it prepared for the Q4_K lanes) until a matvec takes them
         self._stock = StockRoute()
 
     def configure(self, cfg):
@@ -217,7 +219,7 @@ class PinnedRoute(Route):
         self.count("rms_norm_mul")
         return kernels.rms_norm_mul(x, norm.gamma, norm.eps, geometry=self.geometry)
 
-    def residual_norm(self, hidden, src, post, nxt, feeds_ffn=False):
+    def residual_norm(self, hidden, src, post, nxt, feeds_ffn=False, feeds_head=False):
         if post is None or "split_norm_f16" in self.flags:
             return super().residual_norm(hidden, src, post, nxt)
         if "tail_32sg" in self.flags:
@@ -231,8 +233,24 @@ class PinnedRoute(Route):
                                                        self.geometry)
             self._q8_of = (out, q8)
             return hidden, out
+        # the exact Q4_K matvec after the tail reads its output scaled and summed by the tail; not
+        # before the head, the q8 kernels or the legacy fused FFN, which read y
+        takes_prep = not feeds_head and "mv_q8" not in self.flags and not (feeds_ffn and "ffn_4r2s" in self.flags)
+        if (takes_prep and not self._batched(src) and src.shape[-1] % 256 == 0
+                and kernels.mul_mv.q4K_prep(kernels.backend())):
+            self.count("fused_norm_residual_rms_norm_batch_dual_eps_q4")
+            hidden, out, prep = kernels.tail_dual_eps_q4(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps,
+                                                         self.geometry)
+            self._prep_of = (out, prep)
+            return hidden, out
         self.count("fused_norm_residual_rms_norm_batch_dual_eps")
         return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
+
+    def _prepared(self, x):
+        """``x`` prepared for the Q4_K lanes, if the tail that made it did so (taken once)."""
+        prep = self._prep_of[1] if self._prep_of is not None and self._prep_of[0] is x else None
+        self._prep_of = None
+        return prep
 
     def _batched(self, x) -> bool:
         return self.batched is not None and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
@@ -264,7 +282,8 @@ class PinnedRoute(Route):
                 self.count("mul_mv_q4_K_q8 (multi)")
                 return kernels.mul_mv_q8(x, mats)
             self.count("mul_mv_multi_f32")
-            return kernels.mul_mv_multi(x, mats)
+            prep = self._prepared(x) if any(k == "q4_K" for _, k in mats) else None
+            return kernels.mul_mv_multi(x, mats, prep=prep)
         return super().project(x, ws)
 
     def embed(self, table, tokens):
@@ -310,6 +329,7 @@ class PinnedRoute(Route):
         # x quantized by the tail that made it, if it did (the same bits as quantizing it here)
         q8 = self._q8_of[1] if self._q8_of is not None and self._q8_of[0] is x else None
         self._q8_of = None
+        prep = self._prepared(x)
         # The dtype guard of seeds Ch 18 §18.6: the fused kernel exists for Q4_K only.
         fusable = all(w.form == "blocks" and w.qtype == T.Q4_K for w in (gate, up))
         if "ffn_4r2s" in self.flags and fusable:
@@ -322,7 +342,8 @@ class PinnedRoute(Route):
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")
-            return kernels.mul_mv_glu(x, gate.weight, up.weight, _KIND[gate.qtype], activation)
+            return kernels.mul_mv_glu(x, gate.weight, up.weight, _KIND[gate.qtype], activation,
+                                      prep=prep if gate.qtype == T.Q4_K else None)
         return super().ffn_gate_up(x, gate, up, activation)
 
     def attn_gate(self, o, g):

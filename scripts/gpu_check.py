@@ -344,6 +344,98 @@ def check_q8(rng, quick):
     compare("mul_mv_q4_K_q8_multi multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
 
 
+def edge_activations(rng, k):
+    """Two tokens of ordinary activations, both with signed zeros, subnormals and tiny normals, the
+    second also with values up to 2^95 (the halves form of the Q4_K lanes scales them by up to
+    2^32, exact below |y| = 2^96). The huge ones get a token of their own: they swamp every other
+    product of a row, so a wrong order among ordinary values shows only in the first token."""
+    v = rng.standard_normal((2, k)).astype(np.float32)
+    small = np.array([0.0, -0.0, 1e-45, -3e-42, 1.2e-38, -1e-30], np.float32)
+    for row in v:
+        row[rng.choice(k, 4 * small.size, replace=False)] = np.tile(small, 4)
+    huge = np.array([2.0 ** 95, -(2.0 ** 94), 3e25], np.float32)
+    v[1, rng.choice(k, 4 * huge.size, replace=False)] = np.tile(huge, 4)
+    return mx.array(v)
+
+
+def check_q4_forms(rng, quick):
+    """The exact Q4_K lanes' two nibble forms (MUSE_MLX_Q4K_HALVES: 1, two nibbles as subnormal
+    halves against scaled activations; 0, the 2^23 float pattern, the default) and
+    the activations a tail prepares for them (tail_dual_eps_q4, then prep=): the oracle's bits on
+    every Q4_K shape of the release geometry, then a tiny model's decoded logits, form against form."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    some = lambda n: mx.array(np.unique(np.r_[0:64, np.linspace(0, n - 1, 64).astype(int)]))  # noqa: E731
+    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
+    oracle = mul_mv.mul_mv_q4_K_oracle
+    for w, y, name in ((random_blocks(ff, D, T.Q4_K, rng), x, "ffn_gate"), (random_blocks(D, ff, T.Q4_K, rng), h,
+                       "ffn_down"), (random_blocks(D, qw, T.Q4_K, rng), a, "attn_output")):
+        sel = some(w.shape[0])
+        want = oracle(y, w[sel])
+        for halves in ("1", "0"):
+            with env("MUSE_MLX_Q4K_HALVES", halves):
+                got = gpu(K.mul_mv_q4_K, y, w)
+            compare(f"mul_mv_q4_K_f32 HALVES={halves}", f"{name} {w.shape[0]}x{y.shape[-1]} edge y", got[..., sel],
+                    want, note=f"{sel.size} rows")
+    # the tail writes the prepared form: its own two outputs and q4_K_prepared's of its output
+    hid, s, w1, w2 = randn(rng, 1, D), randn(rng, 1, D, scale=3.0), randn(rng, D), randn(rng, D)
+    got_h, got_o, (ys, sy) = gpu(K.tail_dual_eps_q4, hid, s, w1, w2, 1e-8, 1e-5, geometry="seeds")
+    want_h, want_o = norm_tail.tail_dual_eps_oracle(hid, s, w1, w2, 1e-8, 1e-5, K.norm_threads(D, "seeds"))
+    compare("tail_dual_eps_q4 hidden, output", f"{D}", mx.concatenate([got_h, got_o]), mx.concatenate([want_h, want_o]))
+    want_ys, want_sy = mul_mv.q4_K_prepared(want_o)
+    compare("tail_dual_eps_q4 scaled activations", f"{D}", ys, want_ys)
+    compare("tail_dual_eps_q4 run sums", f"{D // 8}", sy, want_sy)
+    # the projections and the GLU reading it (edge activations, prepared on the CPU)
+    prep = mul_mv.q4_K_prepared(x)
+    ws = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
+          (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
+    want = mx.concatenate([mul_mv.ORACLES[k](x, w) for w, k in ws], -1)
+    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    sel = some(ff)
+    want_glu = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
+    with env("MUSE_MLX_Q4K_HALVES", "1"):  # prepared activations need the halves form
+        compare("mul_mv_multi_f32 prepared", f"q,k,v(Q6_K),gate x {D} edge y", gpu(K.mul_mv_multi, x, ws, prep=prep),
+                want)
+        compare("mul_mv_glu_f32 prepared", f"{ff}x{D} q4_K silu edge y", gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu",
+                prep=prep)[..., sel], want_glu, note="device exp")
+    for halves in ("1", "0"):
+        with env("MUSE_MLX_Q4K_HALVES", halves):
+            compare(f"mul_mv_multi_f32 HALVES={halves}", f"q,k,v(Q6_K),gate x {D} edge y", gpu(K.mul_mv_multi, x, ws),
+                    want)
+    want = want_glu
+    for halves in ("1", "0"):
+        with env("MUSE_MLX_Q4K_HALVES", halves):
+            got = gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu")
+        compare(f"mul_mv_glu_f32 HALVES={halves}", f"{ff}x{D} q4_K silu edge y", got[..., sel], want,
+                note="device exp")
+    # end to end: a tiny model's decode, each combination of the switches against the default
+    import tempfile
+
+    from muse_mlx import load_model
+    from muse_mlx.writer import write_tiny
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = load_model(write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer"), "pinned")
+    tokens = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 24)]
+
+    def decoded():
+        cache = model.make_cache()
+        model(mx.array([tokens[:8]]), cache)
+        out = mx.stack([model(mx.array([[t]]), cache)[0, -1] for t in tokens[8:]])
+        mx.eval(out)
+        return out
+
+    base = decoded()
+    default = (str(mul_mv.q4K_halves(WHICH)), "1" if mul_mv.q4K_prep(WHICH) or not mul_mv.q4K_halves(WHICH) else "0")
+    for halves, prep in [c for c in (("1", "1"), ("1", "0"), ("0", "1")) if c != default]:
+        model.route.dispatches.clear()
+        with env("MUSE_MLX_Q4K_HALVES", halves), env("MUSE_MLX_Q4K_PREP", prep):
+            got = decoded()
+        tails = model.route.dispatches["fused_norm_residual_rms_norm_batch_dual_eps_q4"]
+        compare(f"decode HALVES={halves} PREP={prep} == default", f"tiny muse-glimmer, 16 tokens, {tails} prepared tails",
+                got, base)
+
+
 def check_stock_q6k(rng, quick):
     """The stock route's Q6_K form (two MLX affine forms, hi + lo) on the device: MLX's own
     dequantization of the pair against gguf-py, bit for bit (zeros compared without their sign,
@@ -412,7 +504,8 @@ def transcendental_ulps(rng, quick=False):
 
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
-                geometries=check_geometries, decode_kernels=check_decode_kernels, q8=check_q8, stock_q6k=check_stock_q6k,
+                geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms, q8=check_q8,
+                stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)
 

@@ -15,7 +15,8 @@ iteration and, for the matvecs, per weight one lane handles in one iteration.
 
 Record mode would pick Metal's/ggml's geometry ("tuned" has no "record" entry), so the calls here
 pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_MV_GEOMETRY_Q6K`` and
-``MUSE_MLX_Q8_GEOMETRY`` and ``MUSE_MLX_Q8_PRE_GEOMETRY`` override it as they do in the engine, and so
+``MUSE_MLX_Q8_GEOMETRY`` and ``MUSE_MLX_Q8_PRE_GEOMETRY`` override it as they do in the engine (as does
+``MUSE_MLX_Q4K_HALVES``, the Q4_K nibble form; the "halves" and "prepared" lines set it), and so
 do --geometry, --geometry-q6k, --q8-geometry and --q8-pre-geometry (comma-separated lists give one
 line each).
 
@@ -362,10 +363,18 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec(f"ffn_gate/up {FF}x{D}", K.mul_mv_q4_K, y_d, q4(FF, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
         rec(f"attn_out {D}x{QW}", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
+    prep = (y_d, mx.zeros((1, D // 8)))  # the activations as a tail prepares them (MUSE_MLX_Q4K_HALVES=1)
     for g in q4_geoms:
-        rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d,
-            [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")], geometry=g)
+        qkvg = [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")]
+        rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d, qkvg, geometry=g)
         rec(f"ffn_gate+up q4_K {FF}x{D} silu", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu", geometry=g)
+        with env("MUSE_MLX_Q4K_HALVES", "1"):  # the halves form, alone and with prepared activations
+            rec(f"ffn_down {D}x{FF} halves", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
+            rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW} prepared", K.mul_mv_multi, y_d, qkvg, geometry=g, prep=prep)
+            rec(f"ffn_gate+up q4_K {FF}x{D} silu halves", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu",
+                geometry=g)
+            rec(f"ffn_gate+up q4_K {FF}x{D} silu prepared", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu",
+                geometry=g, prep=prep)
     for g in q6_geoms:
         rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
@@ -392,6 +401,7 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec("rms_norm_f16", K.rms_norm_f16, x, w)
         rec("tail_dual_eps", K.tail_dual_eps, x, x, w, w, 1e-6, 1e-6)
         rec("tail_dual_eps_q8 (mv_q8)", K.tail_dual_eps_q8, x, x, w, w, 1e-6, 1e-6)
+        rec("tail_dual_eps_q4 (prepared activations)", K.tail_dual_eps_q4, x, x, w, w, 1e-6, 1e-6)
         rec("tail_32sg", K.tail_32sg, x, x, w, w, 1e-6, 1e-6)
         rec("silu_mul", K.silu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))
         rec("gelu_mul", K.gelu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))

@@ -338,20 +338,27 @@ def test_q8_quantize_kernel():
     assert_bits_equal(ds, want_ds)
 
 
+def emulated_tail_with_form(fn, n, geometry, zeros):
+    """An emulated tail that also writes a matvec's input form (its first ``zeros`` outputs zero):
+    its two rows checked against the exact tail's oracle; returns (the form, output, the oracle's)."""
+    from muse_mlx.kernels import norm_tail
+
+    h, s, w1 = arr(2, n), arr(2, n, scale=7), arr(n)
+    w2 = mx.concatenate([mx.zeros((zeros,)), arr(n - zeros)])
+    hid, out, form = emulate_recorded(fn, h, s, w1, w2, 1e-8, 1e-5, geometry)
+    want_hid, want_out = norm_tail.tail_dual_eps_oracle(h, s, w1, w2, 1e-8, 1e-5, K.norm_threads(n, geometry))
+    assert_bits_equal(hid, want_hid)
+    assert_bits_equal(out, want_out)
+    return form, out, want_out
+
+
 @emulator
 @pytest.mark.parametrize("n,geometry", [(6656, "seeds"), (1152, "llama"), (1152, "seeds")])
 def test_tail_with_q8_output(n, geometry):
     """The tail before the q8 GLU: the exact tail's two outputs bit for bit, and its output
     quantized as quantize_q8 quantizes it (a group of zeros among them: d = 0). 6,656 at 1,024
     threads leaves part of the second pass idle, 1,152 at 512 threads part of the only one."""
-    from muse_mlx.kernels import norm_tail
-
-    h, s, w1 = arr(2, n), arr(2, n, scale=7), arr(n)
-    w2 = mx.concatenate([mx.zeros((32,)), arr(n - 32)])
-    hid, out, (qy, ds) = emulate_recorded(K.tail_dual_eps_q8, h, s, w1, w2, 1e-8, 1e-5, geometry)
-    want_hid, want_out = norm_tail.tail_dual_eps_oracle(h, s, w1, w2, 1e-8, 1e-5, K.norm_threads(n, geometry))
-    assert_bits_equal(hid, want_hid)
-    assert_bits_equal(out, want_out)
+    (qy, ds), out, want_out = emulated_tail_with_form(K.tail_dual_eps_q8, n, geometry, zeros=32)
     want_qy, want_ds = mul_mv.quantize_q8_rows(want_out, which="cpu")
     assert np.array_equal(np.array(qy), np.array(want_qy))
     assert_bits_equal(ds, want_ds)
@@ -394,6 +401,141 @@ def test_q8_pre_kernel_at_32_lanes_is_the_per_threadgroup_kernel(monkeypatch):
     pre = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q4_K")], glu="silu")
     monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")
     assert_bits_equal(pre, emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (b, "q4_K")], glu="silu"))
+
+
+# -- the Q4_K lanes' nibble forms and their prepared activations -------------------------------
+
+
+def edge_activations(t, k):
+    """Activations a lane must take exactly, ``t`` >= 2 tokens of ordinary values: every token
+    holds signed zeros, subnormals and tiny normals; the last also holds huge ones (up to 2^95,
+    just inside the halves form's range). They get a token of their own because they swamp every
+    other product of a row: a wrong order among ordinary values shows only in the other tokens."""
+    v = np.array(arr(t, k))
+    small = np.array([0.0, -0.0, 1e-45, -3e-42, 1.2e-38, -1e-30], F32)
+    for row in v:
+        row[RNG.choice(k, size=4 * small.size, replace=False)] = np.tile(small, 4)
+    huge = np.array([2.0 ** 95, -(2.0 ** 94), 3e25], F32)
+    v[-1, RNG.choice(k, size=4 * huge.size, replace=False)] = np.tile(huge, 4)
+    return mx.array(v)
+
+
+def test_prepared_activations_are_scaled_values_and_run_sums():
+    """q4_K_prepared against numpy: even values times 2^24, odd times 2^32; each run of 8 summed
+    from 0.0 one float32 add at a time, at the slot its lane (iq, ir) reads as sumy[k]."""
+    y = np.array(edge_activations(2, 512))
+    ys, sy = (np.array(a) for a in mul_mv.q4_K_prepared(mx.array(y)))
+    want_ys = y * np.tile(np.array([2.0 ** 24, 2.0 ** 32], F32), 256)
+    assert_bits_equal(ys, want_ys.astype(F32))
+    for t in range(2):
+        for block in range(2):
+            for iq in range(2):
+                for ir in range(4):
+                    for k in range(4):
+                        start = 256 * block + 64 * iq + 8 * ir + 32 * (k % 2) + 128 * (k // 2)
+                        run = F32(0.0)
+                        for v in y[t, start:start + 8]:
+                            run = F32(run + v)
+                        got = sy[t, 32 * block + 4 * (4 * iq + ir) + k]
+                        assert got.view(np.uint32) == run.view(np.uint32), (t, block, iq, ir, k)
+    with pytest.raises(ValueError, match="blocks of 256"):
+        mul_mv.q4_K_prepared(mx.zeros((1, 320)))
+
+
+@emulator
+@pytest.mark.parametrize("halves", ["0", "1"])
+@pytest.mark.parametrize("geometry", ["ggml", "2x2x1x1", "1x4x3x1"])
+def test_both_nibble_forms_give_ggml_bits(halves, geometry, monkeypatch):
+    """q4K_block's two forms (the 2^23 pattern, the default; two nibbles as subnormal halves
+    against activations scaled by 2^24/2^32) on activations with zeros, subnormals and values up
+    to 2^95: the oracle's bits, single, multi and GLU."""
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", halves)
+    y, w = edge_activations(2, 1280), qrows(19, 1280, "q4_K")
+    assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w, geometry=geometry), mul_mv.mul_mv_q4_K_oracle(y, w))
+    ws = [(w, "q4_K"), (qrows(5, 1280, "q6_K"), "q6_K")]
+    want = mx.concatenate([mul_mv.ORACLES[k](y, m) for m, k in ws], axis=-1)
+    assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry), want)
+    u = qrows(19, 1280, "q4_K")
+    want = ffn.silu_oracle(mul_mv.mul_mv_q4_K_oracle(y, w), mul_mv.mul_mv_q4_K_oracle(y, u), exp=libm("expf"))
+    assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, w, u, "q4_K", "silu", geometry=geometry), want)
+
+
+@emulator
+def test_halves_form_overflows_past_its_range(monkeypatch):
+    """The halves form's documented limit: past |y| = 2^96 an odd value times 2^32 is inf, so a
+    row that ggml computes finite comes out non-finite (the 2^23 form has no such limit)."""
+    y = np.array(arr(1, 256))
+    y[0, 1] = 2.0 ** 97
+    y, w = mx.array(y), qrows(4, 256, "q4_K")
+    want = np.array(mul_mv.mul_mv_q4_K_oracle(y, w))
+    assert np.isfinite(want).all()
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
+    assert not np.isfinite(np.array(emulate_recorded(K.mul_mv_q4_K, y, w))).all()
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "0")
+    assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w), want)
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["2x2x1x1", "4x2x2", "1x2x2x3"])
+def test_prepared_activations_give_ggml_bits(geometry, monkeypatch):
+    """prep= (the activations scaled and their run sums given, not computed by the lanes): the
+    multi kernel's Q4_K rows (its Q6_K rows read y) and the GLU, at rows of 3 and 5 blocks."""
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
+    for k in (768, 1280):
+        y = edge_activations(2, k)
+        prep = mul_mv.q4_K_prepared(y)
+        ws = [(qrows(13, k, "q4_K"), "q4_K"), (qrows(4, k, "q6_K"), "q6_K"), (qrows(6, k, "q4_K"), "q4_K")]
+        want = mx.concatenate([mul_mv.ORACLES[kd](y, m) for m, kd in ws], axis=-1)
+        assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry, prep=prep), want)
+        g, u = qrows(13, k, "q4_K"), qrows(13, k, "q4_K")
+        want = ffn.gelu_oracle(mul_mv.mul_mv_q4_K_oracle(y, g), mul_mv.mul_mv_q4_K_oracle(y, u), tanh=libm("tanhf"))
+        assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, g, u, "q4_K", "gelu_tanh", geometry=geometry, prep=prep),
+                          want)
+
+
+def test_prepared_activations_are_checked(monkeypatch):
+    y, w = arr(1, 256), qrows(4, 256, "q6_K")
+    with pytest.raises(ValueError, match="for Q4_K matrices"):
+        K.mul_mv_glu(y, w, w, "q6_K", prep=mul_mv.q4_K_prepared(y), which="record")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "0")
+    q = qrows(4, 256, "q4_K")
+    with pytest.raises(ValueError, match="halves form"):
+        K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(y), which="record")
+    assert not mul_mv.q4K_prep("cuda")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "2")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q4K_HALVES"):
+        mul_mv.q4K_halves("cuda")
+    monkeypatch.delenv("MUSE_MLX_Q4K_HALVES")
+    for which in ("cuda", "metal", "cpu"):  # the defaults: the per-backend table, else 0
+        assert mul_mv.q4K_halves(which) == mul_mv.Q4K_HALVES.get(which, 0)
+        assert mul_mv.q4K_prep(which) == (which != "cpu" and mul_mv.Q4K_HALVES.get(which, 0) == 1)
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
+    assert mul_mv.q4K_prep("cuda") and mul_mv.q4K_prep("metal") and not mul_mv.q4K_prep("cpu")
+    monkeypatch.setenv("MUSE_MLX_Q4K_PREP", "0")
+    assert not mul_mv.q4K_prep("cuda")
+    monkeypatch.setenv("MUSE_MLX_Q4K_PREP", "yes")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q4K_PREP"):
+        mul_mv.q4K_prep("cuda")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
+    with pytest.raises(ValueError, match=r"do not belong to activations \(1, 256\)"):  # another token's
+        K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(arr(2, 256)), which="record")
+    Kernel.recorded.clear()
+
+
+@emulator
+@pytest.mark.parametrize("n,geometry", [(6656, "seeds"), (1280, "llama"), (1280, "seeds")])
+def test_tail_with_q4_output(n, geometry):
+    """The tail before the exact Q4_K matvecs: its two outputs bit for bit, and its output
+    prepared as q4_K_prepared prepares it (a run of zeros among them). 6,656 at 1,024 threads
+    takes two float4s per thread and leaves part of the second pass idle; 1,280 takes one, at
+    320 (llama) or 512 (seeds) threads, of which 192 idle."""
+    (ys, sy), _, want_out = emulated_tail_with_form(K.tail_dual_eps_q4, n, geometry, zeros=8)
+    want_ys, want_sy = mul_mv.q4_K_prepared(want_out)
+    assert_bits_equal(ys, want_ys)
+    assert_bits_equal(sy, want_sy)
+    assert float(sy[0, 0]) == 0.0 and float(sy[0, 1]) != 0.0
+    with pytest.raises(ValueError, match="blocks of 256"):
+        K.tail_dual_eps_q4(arr(1, 320), arr(1, 320), arr(320), arr(320), 1e-8, 1e-5, which="record")
 
 
 # -- Q/K-norms, RoPE and the f16 K/V in one dispatch -------------------------------------------

@@ -10,9 +10,11 @@ unit of every kernel through nvcc when it is installed. Kernel == oracle on a GP
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from fractions import Fraction
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -255,6 +257,7 @@ def record_all_kernels():
     K.rms_norm_f16(x, w, which="record")
     K.tail_dual_eps(x, x, w, w, 1e-8, 1e-5, which="record")
     K.tail_dual_eps_q8(x, x, w, w, 1e-8, 1e-5, which="record")
+    K.tail_dual_eps_q4(x, x, w, w, 1e-8, 1e-5, which="record")
     K.tail_32sg(x, x, w, w, 1e-8, 1e-5, which="record")
     K.mul_mv_q4_K(x, q4, which="record")
     K.mul_mv_q6_K(x, q6, which="record")
@@ -264,6 +267,10 @@ def record_all_kernels():
     K.ffn_q4k_gate_up_4r2s(x, q4, q4, "gelu_tanh", which="record")
     K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K"), (q4, "q4_K")], which="record", geometry="4x2")
     K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
+    prep = mul_mv.q4_K_prepared(x)  # the prepared activations' form of both (halves form only)
+    with mock.patch.dict(os.environ, {"MUSE_MLX_Q4K_HALVES": "1"}):
+        K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record", prep=prep)
+        K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K")], which="record", prep=prep)
     K.mul_mv_glu(x, q6, q6, "q6_K", "gelu_tanh", which="record")
     K.mul_mv_q8(x, [(q4, "q4_K"), (q6, "q6_K")], which="record")
     K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", glu="gelu_tanh")

@@ -8,6 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from reference import RefModel
 
+from muse_mlx import kernels as K
 from muse_mlx import load_model
 from muse_mlx.kernels import attention
 
@@ -82,6 +83,52 @@ def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
     monkeypatch.setenv("MUSE_MLX_Q8_TAIL", "yes")
     with pytest.raises(ValueError, match="MUSE_MLX_Q8_TAIL"):
         model(mx.array([[7]]), model.make_cache())
+
+
+def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monkeypatch):
+    """On a GPU (here forced: on the CPU the oracles read y either way) each tail that feeds a
+    Q4_K projection or GLU also writes its output prepared for it (tail_dual_eps_q4), and the
+    projection and the GLU take it; the last tail, before the Q6_K head, does not. The bits are the
+    oracles' either way; that the kernels' are too is test_decode_kernels.py (emulator) and gpu_check."""
+    from muse_mlx.kernels import mul_mv
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    model.kv_dtype = mx.float16
+    taken = []
+    glu, multi = mul_mv.mul_mv_glu, mul_mv.mul_mv_multi
+
+    def spy(fn):
+        def call(y, *a, prep=None, **kw):
+            if prep is not None:  # exactly the form of this call's input, not another's
+                for got, want in zip(prep, mul_mv.q4_K_prepared(y)):
+                    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+            taken.append(prep is not None)
+            return fn(y, *a, **kw)
+        return call
+
+    out = {}
+    for forced in (False, True):
+        monkeypatch.setattr(mul_mv, "q4K_prep", lambda which, f=forced: f)
+        monkeypatch.setattr(K, "mul_mv_glu", spy(glu))
+        monkeypatch.setattr(K, "mul_mv_multi", spy(multi))
+        cache = model.make_cache()
+        model(mx.array([TOKENS[:5]]), cache)
+        model.route.dispatches.clear()
+        taken.clear()
+        out[forced] = np.array(model(mx.array([[7]]), cache))
+        d, L = model.route.dispatches, model.cfg.n_layer
+        tails = d["fused_norm_residual_rms_norm_batch_dual_eps_q4"]
+        assert tails == (2 * L - 1 if forced else 0)
+        assert tails + d["fused_norm_residual_rms_norm_batch_dual_eps"] == 2 * L
+        # layer 0's projection reads the entry norm's output: not prepared
+        assert taken == ([False] + [True] * (2 * L - 1) if forced else [False] * (2 * L))
+        assert model.route._prep_of is None  # every prepared output was taken
+    np.testing.assert_array_equal(out[False].view(np.uint32), out[True].view(np.uint32))
+    for flag in ("mv_q8", "ffn_4r2s"):  # kernels that read y: no tail prepares for them
+        flagged = load_model(tiny("muse-glimmer"), "pinned", [flag])
+        flagged(mx.array([[7]]), flagged.make_cache())
+        d = flagged.route.dispatches
+        assert d["fused_norm_residual_rms_norm_batch_dual_eps_q4"] == (0 if flag == "mv_q8" else flagged.cfg.n_layer - 1)
 
 
 @pytest.mark.parametrize("flag", ["tail_32sg", "ffn_4r2s"])

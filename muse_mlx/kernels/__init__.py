@@ -11,6 +11,7 @@ function                               reference
 ``tail_dual_eps(h, src, w1, w2, ..)``  seeds Ch 12 §12.4.4 exact dual-epsilon tail
 ``tail_32sg(h, src, w1, w2, ..)``      seeds Ch 12 §12.4.3 legacy 32-SIMD-group tail
 ``tail_dual_eps_q8(h, src, ..)``       the exact tail + its output as q8 activations (mv_q8)
+``tail_dual_eps_q4(h, src, ..)``       the exact tail + its output prepared for the exact Q4_K lanes (prep=)
 ``mul_mv_q4_K(y, w)``                  llama.cpp ``kernel_mul_mv_q4_K_f32``
 ``mul_mv_q6_K(y, w)``                  llama.cpp ``kernel_mul_mv_q6_K_f32``
 ``mul_mv_multi(y, [(w, kind), ..])``   the same rows for up to 4 matrices, one dispatch
@@ -30,7 +31,7 @@ from .attention import attn_decode, qk_rope_pack, rope_table
 from .backend import backend
 from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
 from .mul_mv import dequantize_rows, embed_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K, mul_mv_q8
-from .norm_tail import tail_32sg, tail_dual_eps, tail_dual_eps_q8
+from .norm_tail import tail_32sg, tail_dual_eps, tail_dual_eps_q4, tail_dual_eps_q8
 from .rms_norm import GEOMETRIES, norm_threads, rms_norm_batch, rms_norm_f16, rms_norm_mul
 
 ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS + attention.KERNELS
@@ -38,6 +39,6 @@ ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNEL
 __all__ = [
     "attn_decode", "qk_rope_pack", "rope_table", "dequantize_rows", "embed_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
     "backend", "ffn_q4k_gate_up_4r2s", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
-    "tail_32sg", "tail_dual_eps", "tail_dual_eps_q8", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
+    "tail_32sg", "tail_dual_eps", "tail_dual_eps_q4", "tail_dual_eps_q8", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
     "rms_norm_mul", "ALL_KERNELS",
 ]

@@ -205,13 +205,13 @@ SCALAR_POOL_BYTES = 8
 _CONSTANTS: dict[tuple, mx.array] = {}
 
 
-def constant(value, dtype=mx.float32) -> mx.array:
+def constant(value, dtype=mx.float32, at_least: int = 4) -> mx.array:
     """A kernel's scalar argument (an epsilon, a count) as element 0 of an array of at least four
-    in device memory, made once per value: a fresh ``mx.array`` per call would be one more upload
-    per dispatch, and a one-element one would live in MLX's managed scalar pool (above)."""
-    key = (value, dtype, str(mx.default_device()))  # made on the CPU, an array stays in host memory
+    (``at_least``) in device memory, made once per value: a fresh ``mx.array`` per call would be one
+    more upload per dispatch, and a one-element one would live in MLX's managed scalar pool (above)."""
+    key = (value, dtype, at_least, str(mx.default_device()))  # made on the CPU, an array stays in host memory
     if key not in _CONSTANTS:
-        wide = max(4, 2 * SCALAR_POOL_BYTES // dtype.size)  # past the pool whatever the element size
+        wide = max(at_least, 2 * SCALAR_POOL_BYTES // dtype.size)  # past the pool whatever the element size
         _CONSTANTS[key] = in_device_memory(mx.array([value] * wide, dtype=dtype))
     return _CONSTANTS[key]
 

@@ -17,6 +17,13 @@
 // per weight on NVIDIA, where two constant operands cost two. Same value, same bits.
 MUSE_FN float u2f_m(uint v, uint magic) { return as_type<float>(magic | v) - 8388608.0f; }
 
+// Half h (0 low, 1 high) of a word whose two 16-bit halves each hold a value v < 1024 (a 4-bit
+// field masked in place): as a half that is the subnormal v * 2^-24, and converting it to float
+// is exact and one instruction on NVIDIA (HADD2.F32), where the 2^23 pattern above takes two
+// (LOP3, FADD) per value and the mask here is one per two values. The lane's activations are
+// scaled up to match (q4K_scale_y), so every product is the reference's, exactly.
+MUSE_FN float half_field(uint w, uint h) { return float(as_type<half>(ushort(h != 0u ? w >> 16 : w & 0xFFFFu))); }
+
 // Byte k of x in the mantissa of the pattern `magic` (0x4B000000): as_type<float> of it, minus
 // 2^23, is float(byte). One byte-permute instruction on NVIDIA (k a constant), shift-and-mask
 // elsewhere; the same word either way.
@@ -41,7 +48,13 @@ MUSE_FN int dot4_i8(uint a, int b, int c) {
 
 // One Q4_K block's contribution for lane (iq, ir), from its 16-byte header (d, dmin, 12 scale
 // bytes) and its two 8-byte quant runs, in ggml's order: nibbles stay in place (x1, x256, x16,
-// x4096) in four even/odd accumulators each, then d*(...) - dmin*(...).
+// x4096) in four even/odd accumulators each, then d*(...) - dmin*(...). HALVES = 0: each nibble
+// as float(w & mask) through the 2^23 pattern, against the activations as they are. HALVES = 1:
+// the same nibble of a word's two ushorts at once as two subnormal halves (half_field): masks
+// 0x000F and 0x00F0 in place give ggml's float(q & mask) times 2^-24; 0x0F00 and 0xF000, shifted
+// down by 8 first, give it times 2^-32. So yl/yh must come scaled by 2^24 (even values, which meet
+// the first two) and 2^32 (odd values): each product is then exactly ggml's.
+template <int HALVES>
 MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const float* yl,
                         thread const float* yh, float4 sumy, uint magic) {
     const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
@@ -58,18 +71,36 @@ MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const floa
 
     float4 acc1 = {0.0f, 0.0f, 0.0f, 0.0f};
     float4 acc2 = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (uint i = 0; i < 4; ++i) {
-        // ggml's ushort q1[i] is half i&1 of word i/2 of the 8-byte run
-        const uint w1 = (i < 2 ? qa.x : qa.y) >> (16u * (i & 1u));
-        const uint w2 = (i < 2 ? qb.x : qb.y) >> (16u * (i & 1u));
-        acc1[0] = fma(yl[2 * i + 0], u2f_m(w1 & 0x000Fu, magic), acc1[0]);
-        acc1[1] = fma(yl[2 * i + 1], u2f_m(w1 & 0x0F00u, magic), acc1[1]);
-        acc1[2] = fma(yl[2 * i + 8], u2f_m(w1 & 0x00F0u, magic), acc1[2]);
-        acc1[3] = fma(yl[2 * i + 9], u2f_m(w1 & 0xF000u, magic), acc1[3]);
-        acc2[0] = fma(yh[2 * i + 0], u2f_m(w2 & 0x000Fu, magic), acc2[0]);
-        acc2[1] = fma(yh[2 * i + 1], u2f_m(w2 & 0x0F00u, magic), acc2[1]);
-        acc2[2] = fma(yh[2 * i + 8], u2f_m(w2 & 0x00F0u, magic), acc2[2]);
-        acc2[3] = fma(yh[2 * i + 9], u2f_m(w2 & 0xF000u, magic), acc2[3]);
+    if (HALVES) {
+        for (uint k = 0; k < 2; ++k) {  // word k of each run holds ggml's ushorts q1[2k], q1[2k+1]
+            const uint wa = k == 0 ? qa.x : qa.y, wb = k == 0 ? qb.x : qb.y;
+            const uint sa = wa >> 8, sb = wb >> 8;
+            for (uint h = 0; h < 2; ++h) {
+                const uint i = 2 * k + h;
+                acc1[0] = fma(yl[2 * i + 0], half_field(wa & 0x000F000Fu, h), acc1[0]);
+                acc1[1] = fma(yl[2 * i + 1], half_field(sa & 0x000F000Fu, h), acc1[1]);
+                acc1[2] = fma(yl[2 * i + 8], half_field(wa & 0x00F000F0u, h), acc1[2]);
+                acc1[3] = fma(yl[2 * i + 9], half_field(sa & 0x00F000F0u, h), acc1[3]);
+                acc2[0] = fma(yh[2 * i + 0], half_field(wb & 0x000F000Fu, h), acc2[0]);
+                acc2[1] = fma(yh[2 * i + 1], half_field(sb & 0x000F000Fu, h), acc2[1]);
+                acc2[2] = fma(yh[2 * i + 8], half_field(wb & 0x00F000F0u, h), acc2[2]);
+                acc2[3] = fma(yh[2 * i + 9], half_field(sb & 0x00F000F0u, h), acc2[3]);
+            }
+        }
+    } else {
+        for (uint i = 0; i < 4; ++i) {
+            // ggml's ushort q1[i] is half i&1 of word i/2 of the 8-byte run
+            const uint w1 = (i < 2 ? qa.x : qa.y) >> (16u * (i & 1u));
+            const uint w2 = (i < 2 ? qb.x : qb.y) >> (16u * (i & 1u));
+            acc1[0] = fma(yl[2 * i + 0], u2f_m(w1 & 0x000Fu, magic), acc1[0]);
+            acc1[1] = fma(yl[2 * i + 1], u2f_m(w1 & 0x0F00u, magic), acc1[1]);
+            acc1[2] = fma(yl[2 * i + 8], u2f_m(w1 & 0x00F0u, magic), acc1[2]);
+            acc1[3] = fma(yl[2 * i + 9], u2f_m(w1 & 0xF000u, magic), acc1[3]);
+            acc2[0] = fma(yh[2 * i + 0], u2f_m(w2 & 0x000Fu, magic), acc2[0]);
+            acc2[1] = fma(yh[2 * i + 1], u2f_m(w2 & 0x0F00u, magic), acc2[1]);
+            acc2[2] = fma(yh[2 * i + 8], u2f_m(w2 & 0x00F0u, magic), acc2[2]);
+            acc2[3] = fma(yh[2 * i + 9], u2f_m(w2 & 0xF000u, magic), acc2[3]);
+        }
     }
     // d*((A0+A1)*s0 + (A2+A3)*s1/16 + (B0+B1)*s4 + (B2+B3)*s5/16) - dmin*(Y0*m0 + ...)
     const float a0 = fma(1.0f / 256.0f, acc1[1], acc1[0]);
@@ -158,6 +189,16 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
+// yl, yh as q4K_block<1> takes them: even values x 2^24, odd x 2^32. Exact (powers of two) for
+// |y| < 2^96; beyond, the odd ones overflow where ggml's products would not.
+MUSE_FN void q4K_scale_y(thread float* yl, thread float* yh) {
+    for (int j = 0; j < 16; ++j) {
+        const float f = (j & 1) ? 4294967296.0f : 16777216.0f;
+        yl[j] *= f;
+        yh[j] *= f;
+    }
+}
+
 // Lane sums of NA rows of matrix A (from row a, `ra` rows left) then NB rows of matrix B, all
 // against one activation row y: the lane's values of y are loaded once per block and shared by
 // every row, and the weight loads of a round of U blocks (ib, ib+4, ...) of every row are
@@ -165,11 +206,14 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
 // earlier, before the arithmetic of the P rounds before (P + 1 sets of registers, taken in
 // turn), so a SIMD group has loads in flight while it computes. Rows past the end read the
 // last row again (the caller drops their sums). Blocks are added to each row's sum in ggml's
-// order whatever U and P are.
-template <int NA, int NB, int U, int P>
+// order whatever U and P are. HALVES picks q4K_block's nibble form. PREP = 1 (HALVES = 1 only):
+// y holds the activations already scaled as q4K_scale_y scales them and sy their run sums, as
+// the tail that made them writes them (tail_q4: sy[32*block + 4*(4*iq + ir) + k] is the lane's
+// sumy[k]), so neither is computed here; the bits are the same.
+template <int NA, int NB, int U, int P, int HALVES, int PREP>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
-                           uint row_bytes, uint nb, device const float* y, uint tiisg,
-                           thread float* sumf) {
+                           uint row_bytes, uint nb, device const float* y, device const float* sy,
+                           uint tiisg, thread float* sumf) {
     const uint ix = tiisg / 8;   // lane = 8*ix + 4*iq + ir
     const uint iq = (tiisg % 8) / 4;
     const uint ir = tiisg % 4;
@@ -208,14 +252,19 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
                     yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
                 }
                 float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int j = 0; j < 8; ++j) {
-                    sumy[0] += yl[j];
-                    sumy[1] += yl[j + 8];
-                    sumy[2] += yh[j];
-                    sumy[3] += yh[j + 8];
+                if (PREP) {
+                    sumy = *(device const float4*)(sy + (cb + 4u * u) * 32u + 4u * (4u * iq + ir));
+                } else {
+                    for (int j = 0; j < 8; ++j) {
+                        sumy[0] += yl[j];
+                        sumy[1] += yl[j + 8];
+                        sumy[2] += yh[j];
+                        sumy[3] += yh[j + 8];
+                    }
+                    if (HALVES) q4K_scale_y(yl, yh);
                 }
                 for (int r = 0; r < NA + NB; ++r)
-                    sumf[r] += q4K_block(hd[s][u][r], qa[s][u][r], qb[s][u][r], iq, yl, yh, sumy, magic);
+                    sumf[r] += q4K_block<HALVES>(hd[s][u][r], qa[s][u][r], qb[s][u][r], iq, yl, yh, sumy, magic);
                 }
             }
             }
@@ -330,14 +379,16 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     }
 }
 
-// The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K).
-template <int TYPE, int NR0, int U, int P>
-MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
-                      device const float* y, uint tiisg, thread float* sumf) {
+// The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K);
+// HALVES, PREP, ys and sy as q4K_lane_sums takes them (Q4_K only; Q6_K reads y).
+template <int TYPE, int NR0, int U, int P, int HALVES, int PREP>
+MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
+                      device const float* ys, device const float* sy, uint tiisg, thread float* sumf) {
     const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0, U, P>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP>(a, rows - first_row, a, 1u, row_bytes, nb, PREP ? ys : y, sy,
+                                                  tiisg, sumf);
     } else {
         q6K_lane_sums<NR0, 0, U, P>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
     }
@@ -415,14 +466,15 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: mul_mv_q4_K_f32
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads per row in a round, each round's loads issued P rounds early
+// U blocks of loads per row in a round, each round's loads issued P rounds early; HALVES: the
+// nibbles' float form (q4K_block)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
-    row_sums<0, NR0, U, P>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    row_sums<0, NR0, U, P, HALVES, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, y, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -438,7 +490,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     float sumf[NR0];
-    row_sums<1, NR0, U, P>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf);
+    row_sums<1, NR0, U, P, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, y, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -448,8 +500,10 @@ MUSE_FN float lane_group_sum(float v) {
 // Up to four matrices that read the same activations (q, k, v and the attention gate), in one
 // dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
 // kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
-// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG, U, P.
-// inputs: w0..w3 (absent ones: a placeholder, never read), y [T, K]; outputs: dst [T, R0+R1+R2+R3]
+// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG, U, P, HALVES,
+// PREP (q4K_lane_sums: with PREP the Q4_K matrices read ys and sy, the Q6_K ones y).
+// inputs: w0..w3 (absent ones: a placeholder, never read), y [T, K], ys [T, K] and sy [T, K/8]
+// (placeholders without PREP); outputs: dst [T, R0+R1+R2+R3]
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
@@ -473,9 +527,10 @@ MUSE_FN float lane_group_sum(float v) {
     float sumf[NR0];
     device const float* yt = y + (ulong)t * K;
     if (type == 0) {
-        row_sums<0, NR0, U, P>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+        row_sums<0, NR0, U, P, HALVES, PREP>(w, first_row, rows, K / 256, yt, PREP ? ys + (ulong)t * K : ys,
+                                             PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
     } else {
-        row_sums<1, NR0, U, P>(w, first_row, rows, K / 256, yt, tiisg, sumf);
+        row_sums<1, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, yt, tiisg, sumf);
     }
     const uint total_rows = R0 + R1 + R2 + R3;
     for (int r = 0; r < NR0; ++r) {
@@ -488,7 +543,9 @@ MUSE_FN float lane_group_sum(float v) {
 // NR0 rows of the gate matrix and the same NR0 rows of the up matrix exactly as mul_mv does
 // (sharing the activation loads), then writes apply_activation<ACT>(gate, up) -- the formula of
 // silu_mul_inplace / gelu_mul_inplace. TYPE 0 Q4_K, 1 Q6_K (both matrices the same type).
-// inputs: wg, wu [ROWS, K/256*bytes] (uint8), y [T, K]; outputs: dst [T, ROWS]
+// HALVES, PREP: as for mul_mv_multi_f32 (Q4_K only).
+// inputs: wg, wu [ROWS, K/256*bytes] (uint8), y [T, K], ys [T, K], sy [T, K/8] (placeholders
+// without PREP); outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
@@ -502,7 +559,9 @@ MUSE_FN float lane_group_sum(float v) {
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0, U, P>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+                                                    PREP ? ys + (ulong)t * K : yt,
+                                                    PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
     } else {
         q6K_lane_sums<NR0, NR0, U, P>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
     }
@@ -601,7 +660,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint nb = K / 256;
     float sumf[2 * NR0];
     if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
-        row_sums<1, NR0, 1, 0>(w, first_row, rows, nb, yt, tiisg, sumf);
+        row_sums<1, NR0, 1, 0, 0, 0>(w, first_row, rows, nb, yt, yt, yt, tiisg, sumf);
     } else {
         const uint row_bytes = nb * 144u;
         device const uchar* rp[2 * NR0];

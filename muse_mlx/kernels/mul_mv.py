@@ -84,6 +84,22 @@ def q4_K_lane_inputs(y2: mx.array, nb: int):
     return Y, sumy
 
 
+def q4_K_prepared(y: mx.array) -> tuple[mx.array, mx.array]:
+    """Activations ``y [..., K]`` in the form the exact Q4_K lanes read with ``prep=``, as the tail
+    before them writes it (``tail_dual_eps_q4``): ``ys`` = y with even values times 2^24 and odd
+    ones times 2^32 (what the halves form of the nibbles meets; exact below |y| = 2^96), and
+    ``sy [..., K/8]``, each lane's four run sums per block (ggml's ``sumy``, summed in order from
+    0.0f) at ``32*block + 4*(4*iq + ir) + k``."""
+    K = y.shape[-1]
+    if K % 256:
+        raise ValueError(f"Q4_K activations come in blocks of 256 values, not {K}")
+    y2 = _flat(y, K)
+    with mx.stream(CPU):
+        _, sumy = q4_K_lane_inputs(y2, K // 256)  # [T, nb, iq, ir, k]
+        scale = mx.array([2.0 ** 24, 2.0 ** 32] * (K // 2), F32)
+        return (y2 * scale).reshape(y.shape), sumy.reshape(*y.shape[:-1], K // 8)
+
+
 def mul_mv_q4_K_oracle(y, w) -> mx.array:
     nb = w.shape[1] // 144
     y2 = _flat(y, nb * 256)
@@ -186,6 +202,55 @@ MV_GEOMETRIES = {
 _GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q4_K single": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
 
 
+# The Q4_K lanes' nibble form per backend (q4K_block's HALVES; the bits are the same either way).
+# 0: each nibble through the 2^23 float pattern (two instructions per value on NVIDIA). 1: two
+# nibbles at a time as subnormal halves against activations scaled by 2^24/2^32, one conversion
+# per value, and with it the tails' prepared activations (q4K_prep): 13-16 % fewer instructions in
+# the GLU's and the projections' loops (kernel_sass.py, NVRTC 13.5; docs/kernels.md). Not yet run on
+# a GPU (no device was lent in the tenth session), so 0 everywhere until `gpu_check.py --only
+# q4_forms` has passed on the H200 and a trace shows it faster; Metal: unchecked whether half
+# subnormals survive there.
+Q4K_HALVES = {"cuda": 0, "metal": 0}
+
+
+def q4K_halves(which: str) -> int:
+    """The Q4_K lanes' nibble form on this backend (:data:`Q4K_HALVES`; 0 where it has none):
+    ``MUSE_MLX_Q4K_HALVES=0|1`` overrides it."""
+    env = os.environ.get("MUSE_MLX_Q4K_HALVES")
+    if env is not None:
+        if env not in ("0", "1"):
+            raise ValueError(f"MUSE_MLX_Q4K_HALVES={env!r}: expected 0 or 1")
+        return int(env)
+    return Q4K_HALVES.get(which, 0)
+
+
+def q4K_prep(which: str) -> bool:
+    """Whether the exact tails write their output prepared for the Q4_K matvecs after them
+    (``tail_dual_eps_q4``; the matvecs' ``prep=``): on a GPU whose lanes take the halves form
+    (:func:`q4K_halves`), unless ``MUSE_MLX_Q4K_PREP=0``. On the CPU the oracles read ``y`` anyway."""
+    env = os.environ.get("MUSE_MLX_Q4K_PREP", "1")
+    if env not in ("0", "1"):
+        raise ValueError(f"MUSE_MLX_Q4K_PREP={env!r}: expected 1 or 0")
+    return env == "1" and which not in ("cpu", "record") and bool(q4K_halves(which))
+
+
+def _prep_inputs(prep, y: mx.array, which: str) -> tuple[list[mx.array], int]:
+    """The ``ys``, ``sy`` inputs and PREP of a multi or GLU launch on activations ``y``: the
+    prepared activations (:func:`q4_K_prepared`'s pair for ``y``), or two placeholders."""
+    if prep is None:
+        # eight floats: MLX's Metal kernels take an input of fewer than 8 elements in constant
+        # space, which the lanes' device pointers cannot point at
+        return [constant(0, F32, at_least=8)] * 2, 0
+    if not q4K_halves(which):
+        raise ValueError("prepared Q4_K activations need the halves form (MUSE_MLX_Q4K_HALVES=1)")
+    ys, sy = prep
+    want = (tuple(y.shape), (*y.shape[:-1], y.shape[-1] // 8))
+    if (tuple(ys.shape), tuple(sy.shape)) != want:  # else the lanes would read past them
+        raise ValueError(f"prepared activations of shapes {tuple(ys.shape)} and {tuple(sy.shape)} do not "
+                         f"belong to activations {tuple(y.shape)} (expected {want[0]} and {want[1]})")
+    return [ys.astype(F32), sy.astype(F32)], 1
+
+
 def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int, int]:
     """``(NR0, NSG, U, P)`` of a named geometry or of ``"NR0xNSG[xU[xP]]"`` (U defaults to 1, P
     to 0). "tuned" is per backend and kind ("q4_K", "q4_K single", "q6_K");
@@ -215,8 +280,8 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
 
 _Q4_K = Kernel("mul_mv", "mul_mv_q4_K_f32", ["w", "y"], ["dst"])
 _Q6_K = Kernel("mul_mv", "mul_mv_q6_K_f32", ["w", "y"], ["dst"])
-_MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y"], ["dst"])
-_GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y"], ["dst"], uses=("ffn",))
+_MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y", "ys", "sy"], ["dst"])
+_GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y", "ys", "sy"], ["dst"], uses=("ffn",))
 _DEQ = {dt: Kernel("mul_mv", f"dequant_{name}", ["w", "count"], ["out"])
         for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
 _DEQ_AT = Kernel("mul_mv", "dequant_at_f32", ["w", "tokens", "count"], ["out"])
@@ -234,9 +299,12 @@ def _launch(kernel, y, w, block_bytes, which, geometry):
     K = w.shape[1] // block_bytes * 256
     y, T = _tokens(y, K)
     nr0, nsg, u, p = mv_geometry(geometry, which, "q4_K single" if block_bytes == 144 else "q6_K")
+    template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
+    if block_bytes == 144:
+        template.append(("HALVES", q4K_halves(which)))
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=[("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)], which=which,
+        template=template, which=which,
     )
     return dst
 
@@ -272,10 +340,12 @@ def _four_slots(weights) -> tuple[list[mx.array], list[int], list[str]]:
             [k for _, k in weights] + ["q4_K"] * absent)
 
 
-def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
+def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> mx.array:
     """``concat([y @ W.T for W in weights], -1)`` in one dispatch; ``weights`` = [(raw rows, "q4_K"|"q6_K")].
 
-    Up to four matrices with the same input width; every row gets exactly the single kernels' bits."""
+    Up to four matrices with the same input width; every row gets exactly the single kernels' bits.
+    ``prep``: ``y`` prepared for the Q4_K lanes (:func:`q4_K_prepared`'s pair, from the tail that
+    made ``y``), which then read it instead of scaling and summing ``y`` (the same bits)."""
     if not 1 <= len(weights) <= 4:
         raise ValueError(f"mul_mv_multi takes 1 to 4 matrices, got {len(weights)}")
     K = _k_of(*weights[0])
@@ -289,18 +359,21 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned") -> mx.array:
     nr0, nsg, u, p = mv_geometry(geometry, which)
     per_tg = nr0 * nsg
     mats, rows, kinds = _four_slots(weights)
-    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
+    prepared, pre = _prep_inputs(prep, y, which)
+    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which)), ("PREP", pre)]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
-        mats + [y], [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T),
+        mats + [y] + prepared, [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T),
         threadgroup=(32, nsg, 1), template=template, which=which,
     )
     return dst
 
 
-def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None, geometry: str = "tuned") -> mx.array:
-    """``act(y @ Wg.T) * (y @ Wu.T)`` in one dispatch, with the unfused kernels' bits."""
+def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None, geometry: str = "tuned",
+               prep=None) -> mx.array:
+    """``act(y @ Wg.T) * (y @ Wu.T)`` in one dispatch, with the unfused kernels' bits. ``prep``:
+    as for :func:`mul_mv_multi` (Q4_K only)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     if w_gate.shape != w_up.shape:
@@ -310,13 +383,17 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
     if which == "cpu":
         g, u = ORACLES[kind](y, w_gate), ORACLES[kind](y, w_up)
         return silu_oracle(g, u) if activation == "silu" else gelu_oracle(g, u)
+    if prep is not None and kind != "q4_K":
+        raise ValueError(f"prepared activations are for Q4_K matrices, not {kind}")
     y, T = _tokens(y, K)
     nr0, nsg, u, p = mv_geometry(geometry, which, kind)
+    prepared, pre = _prep_inputs(prep, y, which)
     (dst,) = _GLU(
-        [w_gate, w_up, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
+        [w_gate, w_up, y] + prepared, [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
-                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)], which=which,
+                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which)),
+                  ("PREP", pre)], which=which,
     )
     return dst
 

@@ -60,26 +60,47 @@ _DUAL_EPS_Q8 = Kernel(
     ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output", "qy", "ds"],
     parts=("fused_norm_residual_rms_norm_batch_dual_eps", "tail_q8"),
 )
+_DUAL_EPS_Q4 = Kernel(
+    "norm_tail", "fused_norm_residual_rms_norm_batch_dual_eps_q4",
+    ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output", "ys", "sy"],
+    parts=("fused_norm_residual_rms_norm_batch_dual_eps", "tail_q4"),
+)
 _32SG = Kernel(
     "norm_tail", "fused_norm_residual_rms_norm_32sg",
     ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output"],
 )
-KERNELS = (_DUAL_EPS, _DUAL_EPS_Q8, _32SG)
+KERNELS = (_DUAL_EPS, _DUAL_EPS_Q8, _DUAL_EPS_Q4, _32SG)
 
 
-def _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, template, which, q8: bool = False):
+def _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, template, which, extra=()):
+    """One launch; ``extra``: the (shape, dtype) of outputs after the two rows."""
     n = src.shape[-1]
     if hidden.shape != src.shape:
         raise ValueError(f"hidden {hidden.shape} and src {src.shape} differ")
     rows = src.size // n
     src, hidden = src.astype(F32), hidden.astype(F32)  # rows read in place: no reshape per call
-    shapes, dtypes = [src.shape, src.shape], [F32, F32]
-    if q8:  # quantize_q8's layout of the output: flat words, flat (d, sum) pairs
-        shapes, dtypes = shapes + [(src.size // 4,), (src.size // 16,)], dtypes + [mx.uint32, F32]
+    shapes = [src.shape, src.shape] + [shape for shape, _ in extra]
+    dtypes = [F32, F32] + [dtype for _, dtype in extra]
     return kernel(
         [hidden, src, w1.astype(F32), w2.astype(F32), _eps(eps1), _eps(eps2)], shapes, dtypes,
         grid=(rows * nth, 1, 1), threadgroup=(nth, 1, 1), template=template, which=which,
     )
+
+
+def _tail_and_form(kernel, group: str, size: int, cpu_form, extra, hidden, src, w1, w2, eps1, eps2, geometry, which):
+    """The exact tail and its output in a matvec's input form: ``(hidden, output, form)``, where
+    rows must be a multiple of ``size`` values (``group`` names what they come in) and ``extra``
+    gives the form's outputs; on the CPU, ``cpu_form(output)``."""
+    n = src.shape[-1]
+    if n % size:
+        raise ValueError(f"{group} of {size} values, not {n}")
+    nth = norm_threads(n, geometry)
+    which = which or backend()
+    if which == "cpu":
+        hid, out = tail_dual_eps_oracle(hidden, src, w1, w2, eps1, eps2, nth)
+        return hid, out, cpu_form(out)
+    hid, out, *form = _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, [("N", n), ("NTH", nth)], which, extra)
+    return hid, out, tuple(form)
 
 
 def tail_dual_eps(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):
@@ -98,17 +119,22 @@ def tail_dual_eps_q8(hidden, src, w1, w2, eps1: float, eps2: float, geometry: st
     q8 GLU: one dispatch where the two take two. Rows of a multiple of 32 values."""
     from .mul_mv import quantize_q8_rows
 
-    n = src.shape[-1]
-    if n % 32:
-        raise ValueError(f"q8 activations come in groups of 32 values, not {n}")
-    nth = norm_threads(n, geometry)
-    which = which or backend()
-    if which == "cpu":
-        hid, out = tail_dual_eps_oracle(hidden, src, w1, w2, eps1, eps2, nth)
-        return hid, out, quantize_q8_rows(out, which)
-    hid, out, qy, ds = _launch(_DUAL_EPS_Q8, hidden, src, w1, w2, eps1, eps2, nth,
-                               [("N", n), ("NTH", nth)], which, q8=True)
-    return hid, out, (qy, ds)
+    # quantize_q8's layout of the output: flat words, flat (d, sum) pairs
+    extra = [((src.size // 4,), mx.uint32), ((src.size // 16,), F32)]
+    return _tail_and_form(_DUAL_EPS_Q8, "q8 activations come in groups", 32, lambda out: quantize_q8_rows(out, "cpu"),
+                          extra, hidden, src, w1, w2, eps1, eps2, geometry, which)
+
+
+def tail_dual_eps_q4(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):
+    """:func:`tail_dual_eps` (the same bits) that also returns its output prepared for the exact
+    Q4_K matvecs after it, ``(ys, sy)`` as :func:`~muse_mlx.kernels.mul_mv.q4_K_prepared` gives
+    them (their ``prep=``): the lanes then neither scale nor sum the activations. Rows of a
+    multiple of 256 values."""
+    from .mul_mv import q4_K_prepared
+
+    extra = [(src.shape, F32), ((*src.shape[:-1], src.shape[-1] // 8), F32)]  # scaled values, run sums
+    return _tail_and_form(_DUAL_EPS_Q4, "Q4_K activations come in blocks", 256, q4_K_prepared, extra,
+                          hidden, src, w1, w2, eps1, eps2, geometry, which)
 
 
 def tail_32sg(hidden, src, w1, w2, eps1: float, eps2: float, which=None):
