@@ -271,7 +271,7 @@ class Model(nn.Module):
                 c.offset += 1
         if last_only:
             a = a[:, -1:, :]
-        logits = route.linear(a, self.output)
+        logits = route.head(a, self.output)
         if cfg.logit_scale is not None and cfg.logit_scale != 1.0:  # x * 1.0 is x: one op fewer
             logits = logits * np.float32(cfg.logit_scale)
         if cfg.final_softcap is not None:

@@ -109,6 +109,10 @@ class Route:
         """Embedding rows, dequantized exactly (:class:`~muse_mlx.layers.QEmbedding`)."""
         return table(tokens)
 
+    def head(self, x: mx.array, w: QLinear) -> mx.array:
+        """The vocabulary head: :meth:`linear`, unless a route launches it differently."""
+        return self.linear(x, w)
+
     def project(self, x: mx.array, ws: list[QLinear]) -> mx.array:
         """Several projections of the same input, concatenated on the last axis."""
         return mx.concatenate([self.linear(x, w) for w in ws], axis=-1)
@@ -272,6 +276,13 @@ class PinnedRoute(Route):
             return (kernels.mul_mv_q4_K if w.qtype == T.Q4_K else kernels.mul_mv_q6_K)(x, w.weight)
         self.count("stock_linear")
         return self._stock.linear(x, w)
+
+    def head(self, x, w):
+        # the same kernel and bits as linear(); only its launch geometry is its own
+        if w.form == "blocks" and w.qtype == T.Q6_K and not self._batched(x):
+            self.count("mul_mv_q6_K_f32")
+            return kernels.mul_mv_q6_K(x, w.weight, head=True)
+        return self.linear(x, w)
 
     def project(self, x, ws):
         # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs

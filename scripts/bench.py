@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import json
 import os
 import platform
@@ -139,8 +140,9 @@ def kernel_table(g, vocab: int, reps: int, rng) -> list[dict]:
                 continue  # the head is Q6_K in Q4_K_M
             w = random_blocks(R, Kc, qtype, rng)
             kind = "q4_K" if qtype == T.Q4_K else "q6_K"
-            fn = K.mul_mv_q4_K if qtype == T.Q4_K else K.mul_mv_q6_K
-            single = "q4_K single" if kind == "q4_K" else kind  # mul_mv_q4_K's own geometry
+            head = label.startswith("head")  # the head has a tuned geometry of its own
+            fn = K.mul_mv_q4_K if qtype == T.Q4_K else functools.partial(K.mul_mv_q6_K, head=head)
+            single = "q4_K single" if kind == "q4_K" else ("q6_K head" if head else kind)  # the call's own geometry
             variants = [(f"pinned mul_mv_{kind} (tuned {K.mul_mv.mv_geometry('tuned', K.backend(), single)})",
                          lambda y: fn(y, w), w.nbytes)]
             variants.append((f"pinned mul_mv_{kind} (ggml 2x2)", lambda y: fn(y, w, geometry="ggml"), w.nbytes))

@@ -347,8 +347,9 @@ def geo(g: tuple) -> str:
 
 
 def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], everything: bool,
-                 q4_single: list[str] | None = None, q8_pre_geoms: list[str] = ()):
-    """(label, recorded call) for each release launch, once per geometry."""
+                 q4_single: list[str] | None = None, q8_pre_geoms: list[str] = (), head: list[str] | None = None):
+    """(label, recorded call) for each release launch, once per geometry (the head's own, ``head``,
+    when given, else the Q6_K ones)."""
     out = []
 
     def rec(label, fn, *a, **kw):
@@ -375,8 +376,9 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 geometry=g)
             rec(f"ffn_gate+up q4_K {FF}x{D} silu prepared", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu",
                 geometry=g, prep=prep)
+    for g in head or q6_geoms:
+        rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g, head=True)
     for g in q6_geoms:
-        rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
         rec(f"ffn_gate+up q6_K {FF}x{D} silu", K.mul_mv_glu, y_d, q6(FF, D), q6(FF, D), "q6_K", "silu", geometry=g)
     for g in q8_geoms:  # the kernel that quantizes per threadgroup: a mix with Q6_K, and by default
@@ -542,9 +544,10 @@ def main(argv=None) -> int:
     tuned_geometries = not (a.sweep or a.geometry)
     q4_single = [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K single"))] if tuned_geometries else None
     q6 = a.geometry_q6k.split(",") if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K"))]
+    head = None if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K head"))]
     q8 = a.q8_geometry.split(",") if a.q8_geometry else [geo(mul_mv._q8_geometry("cuda"))]
     q8_pre = a.q8_pre_geometry.split(",") if a.q8_pre_geometry else [geo(mul_mv.q8_pre_geometry("cuda"))]
-    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single, q8_pre))
+    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single, q8_pre, head))
     if not a.matvec_only:
         missing = {k.name for k in K.ALL_KERNELS} - {c["kernel"].name for _, c in calls}
         if missing:

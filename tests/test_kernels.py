@@ -102,9 +102,15 @@ def test_matvec_geometry_strings(monkeypatch):
     assert mul_mv.mv_geometry("2x4x3", "cuda") == (2, 4, 3, 0)
     assert mul_mv.mv_geometry("2x2x1x2", "cuda") == (2, 2, 1, 2)
     assert mul_mv.mv_geometry("ggml", "cuda") == (2, 2, 1, 0)
+    tuned = mul_mv.MV_GEOMETRIES["tuned"]["cuda"]
+    assert mul_mv.mv_geometry("tuned", "cuda", "q6_K head") == tuned["q6_K head"] != tuned["q6_K"]
     monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY_Q6K", "1x8x1x3")
     assert mul_mv.mv_geometry("tuned", "cuda", "q6_K") == (1, 8, 1, 3)
-    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K") == mul_mv.MV_GEOMETRIES["tuned"]["cuda"]["q4_K"]
+    assert mul_mv.mv_geometry("tuned", "cuda", "q6_K head") == (1, 8, 1, 3)  # a Q6_K sweep moves the head too
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K") == tuned["q4_K"]
+    monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY_HEAD", "8x2")  # unless the head has its own setting
+    assert mul_mv.mv_geometry("tuned", "cuda", "q6_K head") == (8, 2, 1, 0)
+    assert mul_mv.mv_geometry("tuned", "cuda", "q6_K") == (1, 8, 1, 3)
     for bad in ("2x2x1x4", "2x2x0", "0x2", "2x2x1x1x1", "2xa", "9x2"):
         with pytest.raises(ValueError, match=rf"{bad}.*NR0xNSG\[xU\[xP\]\]"):
             mul_mv.mv_geometry(bad, "cuda")

@@ -131,6 +131,32 @@ def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monk
         assert d["fused_norm_residual_rms_norm_batch_dual_eps_q4"] == (0 if flag == "mv_q8" else flagged.cfg.n_layer - 1)
 
 
+def test_the_head_takes_its_own_geometry(tiny, monkeypatch):
+    """The vocabulary head is the one Q6_K matvec launched as a head (its own tuned geometry; the
+    same kernel and bits as any Q6_K matvec), in the prefill's last step and in each decoded token."""
+    from muse_mlx.kernels import mul_mv
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    assert model.output.qtype == T.Q6_K
+    heads = []
+    q6 = mul_mv.mul_mv_q6_K
+
+    def spy(y, w, head=False, **kw):
+        heads.append((head, w.shape[0]))
+        return q6(y, w, head=head, **kw)
+
+    monkeypatch.setattr(K, "mul_mv_q6_K", spy)
+    model.kv_dtype = mx.float16
+    cache = model.make_cache()
+    model(mx.array([TOKENS[:5]]), cache)
+    heads.clear()
+    model(mx.array([[7]]), cache)
+    assert [h for h in heads if h[0]] == [(True, model.cfg.vocab_size)]
+    assert all(rows != model.cfg.vocab_size for head, rows in heads if not head)
+    tuned = mul_mv.MV_GEOMETRIES["tuned"]["cuda"]
+    assert mul_mv.mv_geometry("tuned", "cuda", "q6_K head") == tuned["q6_K head"]
+
+
 @pytest.mark.parametrize("flag", ["tail_32sg", "ffn_4r2s"])
 def test_legacy_fusions_move_the_logits_slightly(tiny, flag):
     """The seeds' war stories in miniature: same tokens, different bits."""

@@ -195,11 +195,18 @@ MV_GEOMETRIES = {
     # both, at U = 1 on every Q4_K matrix (GLU 70.0 -> 65.7 us, ffn_down 42.4 -> 38.6, attn_out
     # 10.65 -> 9.97, q|k|v|gate 20.97 -> 19.10) and on the Q6_K ffn_down at 2x4 (63.6 -> 60.8;
     # the head 409 -> 431, a smaller loss); with U = 2 the Q6_K kernels were slower (88-103 us).
-    # Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 1)},
-              "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (2, 2, 1, 0)}},
+    # The vocabulary head (202,048 Q6_K rows, "q6_K head") kept the old 4x4x2x0 in the same lease-1
+    # traces: 409 us against 431 at 2x4x1x1. Metal: unmeasured, so ggml's.
+    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 1),
+                       "q6_K head": (4, 4, 2, 0)},
+              "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (2, 2, 1, 0),
+                        "q6_K head": (2, 2, 1, 0)}},
 }
-_GEOMETRY_ENV = {"q4_K": "MUSE_MLX_MV_GEOMETRY", "q4_K single": "MUSE_MLX_MV_GEOMETRY", "q6_K": "MUSE_MLX_MV_GEOMETRY_Q6K"}
+# the variables that override "tuned", per kind, the first one set winning (a head follows the
+# Q6_K setting unless it has its own, so a Q6_K sweep moves it as before)
+_GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",), "q4_K single": ("MUSE_MLX_MV_GEOMETRY",),
+                 "q6_K": ("MUSE_MLX_MV_GEOMETRY_Q6K",),
+                 "q6_K head": ("MUSE_MLX_MV_GEOMETRY_HEAD", "MUSE_MLX_MV_GEOMETRY_Q6K")}
 
 
 # The Q4_K lanes' nibble form per backend (q4K_block's HALVES; the bits are the same either way).
@@ -253,8 +260,9 @@ def _prep_inputs(prep, y: mx.array, which: str) -> tuple[list[mx.array], int]:
 
 def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int, int]:
     """``(NR0, NSG, U, P)`` of a named geometry or of ``"NR0xNSG[xU[xP]]"`` (U defaults to 1, P
-    to 0). "tuned" is per backend and kind ("q4_K", "q4_K single", "q6_K");
-    ``MUSE_MLX_MV_GEOMETRY`` (Q4_K, both kinds) and ``MUSE_MLX_MV_GEOMETRY_Q6K`` override it."""
+    to 0). "tuned" is per backend and kind ("q4_K", "q4_K single", "q6_K", "q6_K head");
+    ``MUSE_MLX_MV_GEOMETRY`` (Q4_K, both kinds), ``MUSE_MLX_MV_GEOMETRY_Q6K`` (Q6_K, the head too)
+    and ``MUSE_MLX_MV_GEOMETRY_HEAD`` (the head alone) override it."""
     if "x" in geometry:
         try:
             parts = [int(v) for v in geometry.split("x")]
@@ -271,7 +279,7 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
         raise ValueError(f"unknown matvec geometry {geometry!r} (choose from {', '.join(MV_GEOMETRIES)})")
     g = MV_GEOMETRIES[geometry]
     if geometry == "tuned":
-        env = os.environ.get(_GEOMETRY_ENV[kind])
+        env = next((os.environ[v] for v in _GEOMETRY_ENV[kind] if os.environ.get(v)), None)
         if env:
             return mv_geometry(env.lower(), which)
         return g.get(which, {}).get(kind, MV_GEOMETRIES["ggml"])
@@ -294,11 +302,11 @@ def _k_of(w: mx.array, kind: str) -> int:
     return w.shape[1] // BLOCK_BYTES[kind] * 256
 
 
-def _launch(kernel, y, w, block_bytes, which, geometry):
+def _launch(kernel, y, w, block_bytes, which, geometry, kind):
     R = w.shape[0]
     K = w.shape[1] // block_bytes * 256
     y, T = _tokens(y, K)
-    nr0, nsg, u, p = mv_geometry(geometry, which, "q4_K single" if block_bytes == 144 else "q6_K")
+    nr0, nsg, u, p = mv_geometry(geometry, which, kind)
     template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
     if block_bytes == 144:
         template.append(("HALVES", q4K_halves(which)))
@@ -314,15 +322,16 @@ def mul_mv_q4_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
     which = which or backend()
     if which == "cpu":
         return mul_mv_q4_K_oracle(y, w)
-    return _launch(_Q4_K, y, w, 144, which, geometry)
+    return _launch(_Q4_K, y, w, 144, which, geometry, "q4_K single")
 
 
-def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
-    """``y @ W.T`` for raw Q6_K rows ``w`` -- llama.cpp's kernel_mul_mv_q6_K_f32 arithmetic."""
+def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned", head: bool = False) -> mx.array:
+    """``y @ W.T`` for raw Q6_K rows ``w`` -- llama.cpp's kernel_mul_mv_q6_K_f32 arithmetic.
+    ``head``: the vocabulary head, which has a tuned geometry of its own (the same bits)."""
     which = which or backend()
     if which == "cpu":
         return mul_mv_q6_K_oracle(y, w)
-    return _launch(_Q6_K, y, w, 210, which, geometry)
+    return _launch(_Q6_K, y, w, 210, which, geometry, "q6_K head" if head else "q6_K")
 
 
 ORACLES = {"q4_K": mul_mv_q4_K_oracle, "q6_K": mul_mv_q6_K_oracle}
