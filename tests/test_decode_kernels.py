@@ -116,7 +116,7 @@ def test_decode_attention_oracle_matches_float64(h, hkv, d, cap, window, pos):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1", "2x2x2", "1x4x3", "4x2x2"])
+@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1", "2x2x2", "1x4x3", "4x2x2", "4x4x2"])
 @pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
 def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
     """NR0 rows per SIMD group and NSG groups per threadgroup change the launch, not the bits."""
