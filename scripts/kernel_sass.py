@@ -413,6 +413,7 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
             kw = {"dtype": dt} if dt != mx.float32 else {}
             rec(f"dequant q4_K {str(dt).split('.')[-1]} (64 rows)", K.dequantize_rows, q4(64, D), "q4_K", **kw)
             rec(f"dequant q6_K {str(dt).split('.')[-1]} (64 rows)", K.dequantize_rows, q6(64, D), "q6_K", **kw)
+        rec("embedding row (token_embd q4_K)", K.embed_rows, q4(VOCAB, D), mx.array([7], dtype=mx.int32), "q4_K")
         rec("qk_rope_pack", K.qk_rope_pack, mx.zeros((QW + 2 * KVW,)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)), 1e-6,
             mx.array([5], dtype=mx.int32), attention.rope_table(HEAD_DIM, 10000.0, 1.0), rows=HEADS + HEADS_KV,
             hkv=HEADS_KV, d=HEAD_DIM, rd=HEAD_DIM, traditional=True, v_offset=QW + KVW, nth=32)
