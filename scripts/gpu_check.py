@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -400,37 +401,19 @@ def check_q4_forms(rng, quick):
                 prep=prep)[..., sel], want_glu, note="device exp")
     for halves in ("1", "0"):
         with env("MUSE_MLX_Q4K_HALVES", halves):
-            compare(f"mul_mv_multi_f32 HALVES={halves}", f"q,k,v(Q6_K),gate x {D} edge y", gpu(K.mul_mv_multi, x, ws),
-                    want)
-    want = want_glu
-    for halves in ("1", "0"):
-        with env("MUSE_MLX_Q4K_HALVES", halves):
-            got = gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu")
-        compare(f"mul_mv_glu_f32 HALVES={halves}", f"{ff}x{D} q4_K silu edge y", got[..., sel], want,
+            multi, glu = gpu(K.mul_mv_multi, x, ws), gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu")
+        compare(f"mul_mv_multi_f32 HALVES={halves}", f"q,k,v(Q6_K),gate x {D} edge y", multi, want)
+        compare(f"mul_mv_glu_f32 HALVES={halves}", f"{ff}x{D} q4_K silu edge y", glu[..., sel], want_glu,
                 note="device exp")
     # end to end: a tiny model's decode, each combination of the switches against the default
-    import tempfile
-
-    from muse_mlx import load_model
-    from muse_mlx.writer import write_tiny
-
-    with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer"), "pinned")
-    tokens = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 24)]
-
-    def decoded():
-        cache = model.make_cache()
-        model(mx.array([tokens[:8]]), cache)
-        out = mx.stack([model(mx.array([[t]]), cache)[0, -1] for t in tokens[8:]])
-        mx.eval(out)
-        return out
-
-    base = decoded()
-    default = (str(mul_mv.q4K_halves(WHICH)), "1" if mul_mv.q4K_prep(WHICH) or not mul_mv.q4K_halves(WHICH) else "0")
-    for halves, prep in [c for c in (("1", "1"), ("1", "0"), ("0", "1")) if c != default]:
+    model, tokens = tiny_model(rng, 24)
+    base = tiny_decode(model, tokens)
+    form = lambda halves, prep: (halves, prep if halves == "1" else None)  # noqa: E731  (PREP needs HALVES)
+    default = form(str(mul_mv.q4K_halves(WHICH)), os.environ.get("MUSE_MLX_Q4K_PREP", "1"))
+    for halves, prep in [c for c in (("1", "1"), ("1", "0"), ("0", "1")) if form(*c) != default]:
         model.route.dispatches.clear()
         with env("MUSE_MLX_Q4K_HALVES", halves), env("MUSE_MLX_Q4K_PREP", prep):
-            got = decoded()
+            got = tiny_decode(model, tokens)
         tails = model.route.dispatches["fused_norm_residual_rms_norm_batch_dual_eps_q4"]
         compare(f"decode HALVES={halves} PREP={prep} == default", f"tiny muse-glimmer, 16 tokens, {tails} prepared tails",
                 got, base)
@@ -465,25 +448,35 @@ def check_stock_q6k(rng, quick):
                     mx.array(ref64.astype(np.float32)), exact=False, note=f"max |err| / sum|x*w| = {rel:.1e}")
 
 
-def check_decode_step(rng, quick):
-    """A tiny model's decode path: compiled (one replayed trace) == uncompiled == the model's own."""
+def tiny_model(rng, n_tokens: int):
+    """The pinned route on a tiny muse-glimmer file written for the check, and ``n_tokens`` random ids."""
     import tempfile
 
     from muse_mlx import load_model
-    from muse_mlx.decode import DecodeStep
     from muse_mlx.writer import write_tiny
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer")
-        model = load_model(path, "pinned")
-    tokens = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 40)]
-    outs = []
-    for compiled in (None, False, True):
-        cache = model.make_cache()
-        model(mx.array([tokens[:8]]), cache)
-        step = DecodeStep(model, cache, 64, compiled=compiled) if compiled is not None else None
-        logits = [(model(mx.array([[t]]), cache)[0, -1] if step is None else step(mx.array([t]))) for t in tokens[8:]]
-        outs.append(mx.stack(logits))
+        model = load_model(write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer"), "pinned")
+    return model, [int(t) for t in rng.integers(0, model.cfg.vocab_size, n_tokens)]
+
+
+def tiny_decode(model, tokens, compiled: bool | None = None) -> mx.array:
+    """``tokens[:8]`` prefilled, then the rest decoded one at a time: their logits, stacked. By the
+    model's own call (``compiled=None``) or through a DecodeStep, compiled or not."""
+    from muse_mlx.decode import DecodeStep
+
+    cache = model.make_cache()
+    model(mx.array([tokens[:8]]), cache)
+    step = DecodeStep(model, cache, 64, compiled=compiled) if compiled is not None else None
+    out = mx.stack([(model(mx.array([[t]]), cache)[0, -1] if step is None else step(mx.array([t]))) for t in tokens[8:]])
+    mx.eval(out)
+    return out
+
+
+def check_decode_step(rng, quick):
+    """A tiny model's decode path: compiled (one replayed trace) == uncompiled == the model's own."""
+    model, tokens = tiny_model(rng, 40)
+    outs = [tiny_decode(model, tokens, compiled) for compiled in (None, False, True)]
     compare("decode step uncompiled == model", "tiny muse-glimmer, 32 tokens", outs[1], outs[0])
     compare("decode step mx.compile == uncompiled", "tiny muse-glimmer, 32 tokens", outs[2], outs[1])
 

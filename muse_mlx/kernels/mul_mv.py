@@ -302,13 +302,15 @@ def _k_of(w: mx.array, kind: str) -> int:
     return w.shape[1] // BLOCK_BYTES[kind] * 256
 
 
-def _launch(kernel, y, w, block_bytes, which, geometry, kind):
+def _launch(kernel, y, w, which, geometry, kind):
+    """One matvec of geometry ``kind`` ("q4_K single", "q6_K" or "q6_K head")."""
     R = w.shape[0]
-    K = w.shape[1] // block_bytes * 256
+    qtype = kind.split()[0]
+    K = _k_of(w, qtype)
     y, T = _tokens(y, K)
     nr0, nsg, u, p = mv_geometry(geometry, which, kind)
     template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
-    if block_bytes == 144:
+    if qtype == "q4_K":
         template.append(("HALVES", q4K_halves(which)))
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
@@ -322,7 +324,7 @@ def mul_mv_q4_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
     which = which or backend()
     if which == "cpu":
         return mul_mv_q4_K_oracle(y, w)
-    return _launch(_Q4_K, y, w, 144, which, geometry, "q4_K single")
+    return _launch(_Q4_K, y, w, which, geometry, "q4_K single")
 
 
 def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned", head: bool = False) -> mx.array:
@@ -331,7 +333,7 @@ def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned", head: bool = False) -
     which = which or backend()
     if which == "cpu":
         return mul_mv_q6_K_oracle(y, w)
-    return _launch(_Q6_K, y, w, 210, which, geometry, "q6_K head" if head else "q6_K")
+    return _launch(_Q6_K, y, w, which, geometry, "q6_K head" if head else "q6_K")
 
 
 ORACLES = {"q4_K": mul_mv_q4_K_oracle, "q6_K": mul_mv_q6_K_oracle}
