@@ -361,7 +361,7 @@ def edge_activations(rng, k):
 
 def check_q4_forms(rng, quick):
     """The exact Q4_K lanes' two nibble forms (MUSE_MLX_Q4K_HALVES: 1, two nibbles as subnormal
-    halves against scaled activations; 0, the 2^23 float pattern, the default) and
+    halves against scaled activations, CUDA's default; 0, the 2^23 float pattern) and
     the activations a tail prepares for them (tail_dual_eps_q4, then prep=): the oracle's bits on
     every Q4_K shape of the release geometry, then a tiny model's decoded logits, form against form."""
     D, ff = (6656, 19968) if not quick else (512, 768)

@@ -213,11 +213,11 @@ _GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",), "q4_K single": ("MUSE_MLX_MV
 # 0: each nibble through the 2^23 float pattern (two instructions per value on NVIDIA). 1: two
 # nibbles at a time as subnormal halves against activations scaled by 2^24/2^32, one conversion
 # per value, and with it the tails' prepared activations (q4K_prep): 13-16 % fewer instructions in
-# the GLU's and the projections' loops (kernel_sass.py, NVRTC 13.5; docs/kernels.md). Not yet run on
-# a GPU (no device was lent in the tenth session), so 0 everywhere until `gpu_check.py --only
-# q4_forms` has passed on the H200 and a trace shows it faster; Metal: unchecked whether half
-# subnormals survive there.
-Q4K_HALVES = {"cuda": 0, "metal": 0}
+# the GLU's and the projections' loops (kernel_sass.py, NVRTC 13.5; docs/kernels.md). On CUDA since
+# the eleventh session: bit for bit on the H200 (`gpu_check.py --only q4_forms`) and 113.0 against
+# 111.0 tok/s at context 128 on the same machine (docs/performance.md). Metal: 0, since whether half
+# subnormals survive there is unchecked (no Mac).
+Q4K_HALVES = {"cuda": 1, "metal": 0}
 
 
 def q4K_halves(which: str) -> int:
