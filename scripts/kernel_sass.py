@@ -16,7 +16,9 @@ iteration and, for the matvecs, per weight one lane handles in one iteration.
 Record mode would pick Metal's/ggml's geometry ("tuned" has no "record" entry), so the calls here
 pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_MV_GEOMETRY_Q6K`` and
 ``MUSE_MLX_Q8_GEOMETRY`` and ``MUSE_MLX_Q8_PRE_GEOMETRY`` override it as they do in the engine (as does
-``MUSE_MLX_Q4K_HALVES``, the Q4_K nibble form; the "halves" and "prepared" lines set it), and so
+``MUSE_MLX_Q4K_HALVES``, the Q4_K nibble form: record mode has no entry in ``Q4K_HALVES``, so the
+unlabelled Q4_K lines are the 2^23 form, and the "halves" and "prepared" lines, CUDA's default
+since the eleventh session, set it), and so
 do --geometry, --geometry-q6k, --q8-geometry and --q8-pre-geometry (comma-separated lists give one
 line each).
 
