@@ -419,6 +419,30 @@ def check_q4_forms(rng, quick):
                 got, base)
 
 
+def check_glu_warps(rng, quick):
+    """The exact Q4_K GLU compiled for 16 resident warps per SM (MUSE_MLX_GLU_WARPS=16: launch bounds,
+    128 registers) against the oracle, in each nibble form and prepared, then a tiny model's decoded
+    logits with the bound against without: register allocation must not move a bit."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    x = edge_activations(rng, D)
+    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    sel = mx.array(np.unique(np.r_[0:64, np.linspace(0, ff - 1, 64).astype(int)]))
+    oracle = mul_mv.mul_mv_q4_K_oracle
+    want = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
+    prep = mul_mv.q4_K_prepared(x)
+    with env("MUSE_MLX_GLU_WARPS", "16"):
+        for halves, pr in (("1", prep), ("1", None), ("0", None)):
+            with env("MUSE_MLX_Q4K_HALVES", halves):
+                got = gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu", prep=pr)
+            compare(f"mul_mv_glu_f32 16 warps HALVES={halves}{' prepared' if pr else ''}", f"{ff}x{D} q4_K silu edge y",
+                    got[..., sel], want, note="device exp")
+    model, tokens = tiny_model(rng, 24)
+    base = tiny_decode(model, tokens)
+    with env("MUSE_MLX_GLU_WARPS", "16"):
+        got = tiny_decode(model, tokens)
+    compare("decode GLU 16 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
+
+
 def check_stock_q6k(rng, quick):
     """The stock route's Q6_K form (two MLX affine forms, hi + lo) on the device: MLX's own
     dequantization of the pair against gguf-py, bit for bit (zeros compared without their sign,
@@ -497,7 +521,8 @@ def transcendental_ulps(rng, quick=False):
 
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
-                geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms, q8=check_q8,
+                geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
+                glu_warps=check_glu_warps, q8=check_q8,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

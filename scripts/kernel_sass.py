@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx.kernels import attention, mul_mv  # noqa: E402
-from muse_mlx.kernels.backend import Kernel  # noqa: E402
+from muse_mlx.kernels.backend import Kernel, bounded_name  # noqa: E402
 
 from environment import env  # noqa: E402
 
@@ -378,6 +378,11 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 geometry=g)
             rec(f"ffn_gate+up q4_K {FF}x{D} silu prepared", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu",
                 geometry=g, prep=prep)
+            with env("MUSE_MLX_GLU_WARPS", "16"):  # bounded for 16 warps per SM (128 registers at NSG 2)
+                rec(f"ffn_gate+up q4_K {FF}x{D} silu halves, 16 warps", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D),
+                    "q4_K", "silu", geometry=g)
+                rec(f"ffn_gate+up q4_K {FF}x{D} silu prepared, 16 warps", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D),
+                    "q4_K", "silu", geometry=g, prep=prep)
     for g in head or q6_geoms:
         rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g, head=True)
     for g in q6_geoms:
@@ -434,7 +439,7 @@ def dedupe(calls):
     seen: dict[tuple, list] = {}
     for label, c in calls:
         key = (c["kernel"].name, tuple(str(a.dtype) for a in c["inputs"]), tuple(map(str, c["output_dtypes"])),
-               tuple(c["template"] or ()))
+               tuple(c["template"] or ()), c["bounds"])
         if key in seen:
             if label not in seen[key][0]:
                 seen[key][0].append(label)
@@ -453,7 +458,7 @@ def short_template(tmpl) -> str:
 def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool) -> dict:
     kernel = c["kernel"]
     header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
-    src = header + kernel.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"])
+    src = header + kernel.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
     cubin, log = tc.compile(src, tmp)
     text = tc.sass(cubin)
     insns = [i for i in parse_sass(text) if i["base"] != "NOP"]
@@ -463,7 +468,7 @@ def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool) -> dict:
     for lp in hot:
         lp["weights"] = weights_in_loop(kernel.name, lp)
     tg = c["threadgroup"]
-    return dict(name=kernel.name, labels=labels, threads=tg[0] * tg[1] * tg[2], template=c["template"],
+    return dict(name=bounded_name(kernel.name, c["bounds"]), labels=labels, threads=tg[0] * tg[1] * tg[2], template=c["template"],
                 stats=ptxas_stats(log), n=len(insns), counts=counts, ldg=mem_widths(insns, "LDG"),
                 lds=mem_widths(insns, "LDS"), loops=lps, hot=hot, sass=text if want_sass else None, ptxas=log)
 

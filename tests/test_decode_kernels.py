@@ -522,6 +522,38 @@ def test_prepared_activations_are_checked(monkeypatch):
     Kernel.recorded.clear()
 
 
+def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
+    """MUSE_MLX_GLU_WARPS bounds the Q4_K GLU only, as threadgroups per SM of its geometry, under a
+    name of its own (MLX caches a kernel by name), with the bound in front of MLX's signature."""
+    y, q4, q6 = arr(1, 256), qrows(8, 256, "q4_K"), qrows(8, 256, "q6_K")
+
+    def recorded(*a, **kw):
+        Kernel.recorded.clear()
+        K.mul_mv_glu(*a, which="record", **kw)
+        (c,) = Kernel.recorded
+        Kernel.recorded.clear()
+        return c
+
+    assert mul_mv.glu_min_blocks("cuda", 2) == mul_mv.GLU_WARPS["cuda"] // 2
+    monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "16")
+    c = recorded(y, q4, q4, "q4_K", geometry="2x2x1x1")
+    assert c["bounds"] == (64, 8)
+    src = c["kernel"].cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
+    bound = src.index("#define __global__ __location__(global) __launch_bounds__(64, 8)")
+    assert bound < src.index("__global__ void custom_kernel_mul_mv_glu_f32_lb64x8(")
+    assert recorded(y, q4, q4, "q4_K", geometry="2x4x1x1")["bounds"] == (128, 4)
+    assert recorded(y, q6, q6, "q6_K")["bounds"] is None  # the Q6_K GLU already fits 20 warps
+    assert mul_mv.glu_min_blocks("metal", 2) == mul_mv.glu_min_blocks("cpu", 2) == 0
+    for bad in ("3", "80", "sixteen", "-2"):
+        monkeypatch.setenv("MUSE_MLX_GLU_WARPS", bad)
+        with pytest.raises(ValueError, match="MUSE_MLX_GLU_WARPS"):
+            mul_mv.glu_min_blocks("cuda", 2)
+    monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "0")
+    c = recorded(y, q4, q4, "q4_K")
+    src = c["kernel"].cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
+    assert c["bounds"] is None and "#undef __global__" not in src and "custom_kernel_mul_mv_glu_f32(" in src
+
+
 @emulator
 @pytest.mark.parametrize("n,geometry", [(6656, "seeds"), (1280, "llama"), (1280, "seeds")])
 def test_tail_with_q4_output(n, geometry):

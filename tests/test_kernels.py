@@ -277,6 +277,8 @@ def record_all_kernels():
     with mock.patch.dict(os.environ, {"MUSE_MLX_Q4K_HALVES": "1"}):
         K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record", prep=prep)
         K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K")], which="record", prep=prep)
+    with mock.patch.dict(os.environ, {"MUSE_MLX_GLU_WARPS": "16"}):  # launch bounds in the unit's header
+        K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
     K.mul_mv_glu(x, q6, q6, "q6_K", "gelu_tanh", which="record")
     K.mul_mv_q8(x, [(q4, "q4_K"), (q6, "q6_K")], which="record")
     K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", glu="gelu_tanh")
@@ -368,7 +370,8 @@ def test_cuda_translation_of_every_kernel_compiles(tmp_path):
     for i, c in enumerate(record_all_kernels()):
         k = c["kernel"]
         src = tmp_path / f"k{i}.cu"
-        src.write_text(header + k.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"]))
+        src.write_text(header + k.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"],
+                                                c["bounds"]))
         r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(src) + ".ptx", str(src)], capture_output=True, text=True)
         assert r.returncode == 0, f"{k.name}:\n{r.stderr[-3000:]}"
 

@@ -222,6 +222,22 @@ _CUDA_TYPES = {
 }
 
 
+def launch_bounds(bounds: tuple[int, int] | None) -> str:
+    """Header text that gives the kernel after it ``__launch_bounds__(threads, min_blocks)``.
+
+    MLX writes a custom kernel's signature itself (``__global__ void custom_kernel_<name>(...)``),
+    so the bound rides on ``__global__``: redefined here, after every include, to what CUDA's
+    host_defines.h makes of it plus the bound. Only the one kernel of the unit follows it."""
+    if bounds is None:
+        return ""
+    threads, min_blocks = bounds
+    return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
+
+
+def bounded_name(name: str, bounds: tuple[int, int] | None) -> str:
+    return name if bounds is None else f"{name}_lb{bounds[0]}x{bounds[1]}"
+
+
 class Kernel:
     """A named kernel body, built once per backend on first use.
 
@@ -253,21 +269,24 @@ class Kernel:
         families = self.uses + (() if self.family is None else (self.family,))
         return needed_header("".join(sections(f).get("header", "") for f in families), self.body)
 
-    def build(self, which: str):
-        if which not in self._built:
+    def build(self, which: str, bounds: tuple[int, int] | None = None):
+        """The MLX kernel for ``which``; on CUDA, ``bounds`` = (threads, min_blocks) builds a
+        variant of its own name with those launch bounds (MLX caches a kernel by its name)."""
+        key = (which, bounds if which == "cuda" else None)
+        if key not in self._built:
             if which == "metal":
-                self._built[which] = mx.fast.metal_kernel(
+                self._built[key] = mx.fast.metal_kernel(
                     name=self.name, input_names=self.inputs, output_names=self.outputs,
                     source=self.body, header=METAL_PRELUDE + self.header,
                 )
             elif which == "cuda":
-                self._built[which] = mx.fast.cuda_kernel(
-                    name=self.name, input_names=self.inputs, output_names=self.outputs,
-                    source=to_cuda(self.body), header=cuda_prelude() + to_cuda(self.header),
+                self._built[key] = mx.fast.cuda_kernel(
+                    name=bounded_name(self.name, bounds), input_names=self.inputs, output_names=self.outputs,
+                    source=to_cuda(self.body), header=cuda_prelude() + launch_bounds(bounds) + to_cuda(self.header),
                 )
             else:
                 raise ValueError(f"no GPU kernel for backend {which!r}")
-        return self._built[which]
+        return self._built[key]
 
     def metal_source_preview(self):
         """The Metal builder, usable on any machine inside ``mx.export_function`` (to print the source)."""
@@ -276,27 +295,32 @@ class Kernel:
             source=self.body, header=METAL_PRELUDE + self.header,
         )
 
-    def cuda_source(self, input_dtypes, output_dtypes, template) -> str:
+    def cuda_source(self, input_dtypes, output_dtypes, template, bounds: tuple[int, int] | None = None) -> str:
         """The translation unit ``mx.fast.cuda_kernel`` compiles (mirrors MLX 0.32's build_kernel),
-        minus MLX's own default header, which the caller supplies."""
+        minus MLX's own default header, which the caller supplies; ``bounds`` as for :meth:`build`."""
         params = [f"    const {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.inputs, input_dtypes)]
         params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes)]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {int(v)};\n" for k, v in template or [])
         return (
-            cuda_prelude() + to_cuda(self.header) + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void custom_kernel_{self.name}(\n" + ",\n".join(params) + ") {\n"
+            cuda_prelude() + launch_bounds(bounds) + to_cuda(self.header)
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{bounded_name(self.name, bounds)}(\n" + ",\n".join(params) + ") {\n"
             + consts + to_cuda(self.body) + "\n}\n\n} // namespace mlx::core::cu\n"
         )
 
-    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template, which=None, **kw):
+    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template, which=None,
+                 min_blocks: int = 0, **kw):
+        """``min_blocks``: on CUDA, compile for at least that many resident threadgroups per SM
+        (``__launch_bounds__``; 0, ptxas's own register choice). Metal has no such bound."""
         which = which or backend()
+        bounds = (threadgroup[0] * threadgroup[1] * threadgroup[2], min_blocks) if min_blocks else None
         if which == "record":
             Kernel.recorded.append(dict(
                 kernel=self, inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                grid=grid, threadgroup=threadgroup, template=template,
+                grid=grid, threadgroup=threadgroup, template=template, bounds=bounds,
             ))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
-        k = self.build(which)
+        k = self.build(which, bounds)
         return k(
             inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
             grid=grid, threadgroup=threadgroup, template=template, **kw,

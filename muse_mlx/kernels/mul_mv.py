@@ -231,6 +231,30 @@ def q4K_halves(which: str) -> int:
     return Q4K_HALVES.get(which, 0)
 
 
+# Resident warps per SM that the exact Q4_K GLU is compiled for on CUDA (``__launch_bounds__``;
+# 0 leaves ptxas its own choice). It holds 158-165 registers, so 12 warps per SM fit; bounded for
+# 16 it fits 128 (no spill in the halves form, 28 bytes in the prepared one: kernel_sass.py, NVRTC
+# 13.5). The arithmetic is the same instructions either way, so the bits are too. Whether the
+# extra loads in flight beat the spill is for a GPU trace to say: 0 until one has.
+GLU_WARPS = {"cuda": 0}
+
+
+def glu_min_blocks(which: str, nsg: int) -> int:
+    """Threadgroups of ``nsg`` SIMD groups per SM the Q4_K GLU is bounded for (:data:`GLU_WARPS`):
+    ``MUSE_MLX_GLU_WARPS=N`` overrides it (N a multiple of ``nsg``, at most 64; 0 for none)."""
+    if which not in ("cuda", "record"):
+        return 0
+    env = os.environ.get("MUSE_MLX_GLU_WARPS")
+    if env is None:
+        warps = GLU_WARPS.get(which, 0)
+    elif not env.isdigit() or int(env) > 64 or int(env) % nsg:
+        raise ValueError(f"MUSE_MLX_GLU_WARPS={env!r}: expected 0 or a multiple of the GLU's {nsg} SIMD groups "
+                         "per threadgroup, at most 64")
+    else:
+        warps = int(env)
+    return warps // nsg
+
+
 def q4K_prep(which: str) -> bool:
     """Whether the exact tails write their output prepared for the Q4_K matvecs after them
     (``tail_dual_eps_q4``; the matvecs' ``prep=``): on a GPU whose lanes take the halves form
@@ -404,7 +428,7 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
                   ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which)),
-                  ("PREP", pre)], which=which,
+                  ("PREP", pre)], which=which, min_blocks=glu_min_blocks(which, nsg) if kind == "q4_K" else 0,
     )
     return dst
 
