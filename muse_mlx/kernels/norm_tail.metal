@@ -122,9 +122,10 @@
     threadgroup_barrier(mem_flags::mem_threadgroup);
     sumf = simd_sum(shmem[tiisg]);
     const float scale2 = 1.0f / sqrt(sumf / float(N) + e2);
+    float4 ov[PER];  // the outputs as stored, for a part appended below (tail_q8, tail_q4)
     for (uint k = 0; k < PER; ++k) {
         const uint i = tid + k * NTH;
-        if (i < n4) out4[i] = (hv[k] * scale2) * w2v[k];
+        if (i < n4) { ov[k] = (hv[k] * scale2) * w2v[k]; out4[i] = ov[k]; }
     }
 
 // ==== part: tail_q8
@@ -134,14 +135,14 @@
 // the sum of q) for mul_mv_q4_K_q8_pre: one dispatch fewer per layer. A group of 32 values is
 // eight float4s held by eight neighbouring threads of one SIMD group (NTH is a multiple of 32 and
 // N of 32), combined with xor shuffles; a maximum and an integer sum are exact in any order, so
-// the bits are quantize_q8's for finite values. Each thread reads back the float4s it stored, so
-// the values quantized are exactly those written, whatever the compiler made of the expression.
+// the bits are quantize_q8's for finite values. Each thread quantizes the registers it stored
+// (ov), so the values quantized are exactly those written, with no read back from memory.
 // outputs also: qy [rows, N/4] (uint32), ds [rows, N/16] (per group: d, float(sum q))
     for (uint k = 0; k < PER; ++k) {  // every thread runs every k: the shuffles need the whole SIMD group
         const uint i = tid + k * NTH;
         const bool live = i < n4;  // a whole group is live or not: n4 is a multiple of 8
         float4 o = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) o = out4[i];
+        if (live) o = ov[k];
         float amax = 0.0f;
         for (int e = 0; e < 4; ++e) amax = max(amax, fabs(o[e]));
         for (uint m = 1u; m < 8u; m <<= 1u) amax = max(amax, simd_shuffle_xor(amax, m));
@@ -171,14 +172,15 @@
 // exact, powers of two), and sy, every run of 8 values summed as ggml's lanes sum them (from
 // 0.0f, in order), at sy[32*block + 4*(4*iq + ir) + k] for the run at 64*iq + 8*ir + 32*(k%2) +
 // 128*(k/2) of its block of 256. A run is the float4s 2j and 2j+1, held by neighbouring threads
-// (NTH is even), so the even one adds its partner's four values after its own. Each thread reads
-// back the float4s it stored, so the values are exactly those written. Rows of a multiple of 256.
+// (NTH is even), so the even one adds its partner's four values after its own. Each thread takes
+// the registers it stored (ov), so the values are exactly those written, with no read back from
+// memory (that read cost two round trips to L2 per tail). Rows of a multiple of 256.
 // outputs also: ys [rows, N], sy [rows, N/8]
     for (uint k = 0; k < PER; ++k) {  // every thread runs every k: the shuffles need the whole SIMD group
         const uint i = tid + k * NTH;
         const bool live = i < n4;  // a whole run is live or not: n4 is even
         float4 o = {0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) o = out4[i];
+        if (live) o = ov[k];
         float4 other;
         for (int e = 0; e < 4; ++e) other[e] = simd_shuffle_xor(o[e], 1u);
         if (live) {
