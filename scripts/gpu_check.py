@@ -430,12 +430,16 @@ def check_glu_warps(rng, quick):
     oracle = mul_mv.mul_mv_q4_K_oracle
     want = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
     prep = mul_mv.q4_K_prepared(x)
+    nsg = mul_mv.mv_geometry("tuned", WHICH, "q4_K")[1]
+    bounded = ("cuda", (32 * nsg, 16 // nsg))  # the key Kernel.build files the bounded variant under
     with env("MUSE_MLX_GLU_WARPS", "16"):
         for halves, pr in (("1", prep), ("1", None), ("0", None)):
             with env("MUSE_MLX_Q4K_HALVES", halves):
                 got = gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu", prep=pr)
             compare(f"mul_mv_glu_f32 16 warps HALVES={halves}{' prepared' if pr else ''}", f"{ff}x{D} q4_K silu edge y",
                     got[..., sel], want, note="device exp")
+    if WHICH == "cuda" and bounded not in mul_mv._GLU._built:  # else the comparisons above proved nothing
+        raise RuntimeError(f"the GLU ran without its launch bounds: no {bounded} among {list(mul_mv._GLU._built)}")
     model, tokens = tiny_model(rng, 24)
     base = tiny_decode(model, tokens)
     with env("MUSE_MLX_GLU_WARPS", "16"):

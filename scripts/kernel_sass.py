@@ -18,7 +18,8 @@ pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_
 ``MUSE_MLX_Q8_GEOMETRY`` and ``MUSE_MLX_Q8_PRE_GEOMETRY`` override it as they do in the engine (as does
 ``MUSE_MLX_Q4K_HALVES``, the Q4_K nibble form: record mode has no entry in ``Q4K_HALVES``, so the
 unlabelled Q4_K lines are the 2^23 form, and the "halves" and "prepared" lines, CUDA's default
-since the eleventh session, set it), and so
+since the eleventh session, set it; likewise ``MUSE_MLX_GLU_WARPS``, which only the "16 warps"
+lines set, whatever ``GLU_WARPS["cuda"]`` says), and so
 do --geometry, --geometry-q6k, --q8-geometry and --q8-pre-geometry (comma-separated lists give one
 line each).
 

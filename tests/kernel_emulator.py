@@ -586,7 +586,7 @@ def _dims(v, what) -> tuple[int, int, int]:
 
 
 def emulate(kernel: Kernel, inputs, output_shapes, output_dtypes, grid, threadgroup, template=None,
-            init_value=None, contract: bool = False) -> list[np.ndarray]:
+            init_value=None, contract: bool = False, bounds=None) -> list[np.ndarray]:
     """Run ``kernel`` on the CPU with the arguments ``Kernel.__call__`` receives; returns numpy arrays.
 
     ``grid`` is in threads, as for MLX: ``ceil(grid / threadgroup)`` blocks per axis, every
@@ -594,6 +594,8 @@ def emulate(kernel: Kernel, inputs, output_shapes, output_dtypes, grid, threadgr
     ``init_value`` fills the outputs first (as MLX's does); without it they are all-ones bytes.
     ``contract=True`` models a compiler that fuses ``a*b + c`` (see ``CONTRACT_FLAGS``); it is a
     faithful model only where each such add has a single multiply operand to fuse.
+    ``bounds`` (a recorded call's CUDA launch bounds) has no effect: it steers register
+    allocation only, which the emulator does not model.
     """
     grid, tg = _dims(grid, "grid"), _dims(threadgroup, "threadgroup")
     n = tg[0] * tg[1] * tg[2]

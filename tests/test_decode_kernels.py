@@ -534,7 +534,10 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
         Kernel.recorded.clear()
         return c
 
-    assert mul_mv.glu_min_blocks("cuda", 2) == mul_mv.GLU_WARPS["cuda"] // 2
+    monkeypatch.delenv("MUSE_MLX_GLU_WARPS", raising=False)
+    for table, blocks in (({"cuda": 0}, 0), ({"cuda": 16}, 8)):  # unset: the per-backend table
+        monkeypatch.setattr(mul_mv, "GLU_WARPS", table)
+        assert mul_mv.glu_min_blocks("cuda", 2) == blocks and mul_mv.glu_min_blocks("record", 2) == 0
     monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "16")
     c = recorded(y, q4, q4, "q4_K", geometry="2x2x1x1")
     assert c["bounds"] == (64, 8)
@@ -552,6 +555,25 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     c = recorded(y, q4, q4, "q4_K")
     src = c["kernel"].cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
     assert c["bounds"] is None and "#undef __global__" not in src and "custom_kernel_mul_mv_glu_f32(" in src
+
+
+def test_a_bounded_kernel_is_built_apart(monkeypatch):
+    """Kernel.build hands MLX a bounded CUDA variant under its own name, with the bound in its
+    header, beside the unbounded kernel; Metal has no bound, so it gets the one kernel."""
+    made = []
+
+    def recorder(**kw):
+        made.append(kw)
+        return object()
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recorder)
+    monkeypatch.setattr(mx.fast, "metal_kernel", recorder)
+    k = Kernel("mul_mv", "mul_mv_glu_f32", mul_mv._GLU.inputs, mul_mv._GLU.outputs)
+    plain, bounded = k.build("cuda"), k.build("cuda", (64, 8))
+    assert plain is not bounded and k.build("cuda", (64, 8)) is bounded and k.build("cuda") is plain
+    assert [m["name"] for m in made] == ["mul_mv_glu_f32", "mul_mv_glu_f32_lb64x8"]
+    assert "__launch_bounds__(64, 8)" in made[1]["header"] and "#undef __global__" not in made[0]["header"]
+    assert k.build("metal", (64, 8)) is k.build("metal") and len(made) == 3
 
 
 @emulator

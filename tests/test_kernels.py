@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 from fractions import Fraction
+from pathlib import Path
 from unittest import mock
 
 import mlx.core as mx
@@ -374,6 +375,9 @@ def test_cuda_translation_of_every_kernel_compiles(tmp_path):
                                                 c["bounds"]))
         r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(src) + ".ptx", str(src)], capture_output=True, text=True)
         assert r.returncode == 0, f"{k.name}:\n{r.stderr[-3000:]}"
+        if c["bounds"]:  # the redefined __global__ reached the kernel: its PTX carries the bound
+            ptx = Path(str(src) + ".ptx").read_text()
+            assert f".maxntid {c['bounds'][0]}, 1, 1" in ptx and f".minnctapersm {c['bounds'][1]}" in ptx, k.name
 
 
 # -- on a GPU: kernel == oracle ------------------------------------------------------------

@@ -227,7 +227,8 @@ def launch_bounds(bounds: tuple[int, int] | None) -> str:
 
     MLX writes a custom kernel's signature itself (``__global__ void custom_kernel_<name>(...)``),
     so the bound rides on ``__global__``: redefined here, after every include, to what CUDA's
-    host_defines.h makes of it plus the bound. Only the one kernel of the unit follows it."""
+    host_defines.h makes of it plus the bound (checked against CUDA 13.5's; the nvcc test in
+    tests/test_kernels.py finds the bound in the PTX). Only the one kernel of the unit follows it."""
     if bounds is None:
         return ""
     threads, min_blocks = bounds
@@ -239,10 +240,10 @@ def bounded_name(name: str, bounds: tuple[int, int] | None) -> str:
 
 
 class Kernel:
-    """A named kernel body, built once per backend on first use.
+    """A named kernel body, built once per backend (and, on CUDA, per launch bound) on first use.
 
     ``which="record"`` runs nothing: the call (input and output dtypes, shapes, grid,
-    threadgroup, template) is appended to :attr:`recorded` and zeros are returned, so
+    threadgroup, template, launch bounds) is appended to :attr:`recorded` and zeros are returned, so
     tests can rebuild the exact source MLX would compile on a machine without that GPU.
     """
 
