@@ -203,8 +203,9 @@ class PinnedRoute(Route):
     def __init__(self, flags=frozenset()):
         super().__init__(flags)
         self.geometry = "llama"
-        self._q8_of = None  # (a tail's output, its q8 form) until the GLU after it takes them
-        self._prep_of = None  # (a tail's output, it prepared for the Q4_K lanes) until a matvec takes them
+        # a tail's output in a matvec's input form, per form ("q8" for the q8 GLU, "q4_K" prepared
+        # for the exact Q4_K lanes): (output, form) until the matvec after the tail takes it
+        self._forms: dict[str, tuple] = {}
         self._stock = StockRoute()
 
     def configure(self, cfg):
@@ -235,7 +236,7 @@ class PinnedRoute(Route):
             self.count("fused_norm_residual_rms_norm_batch_dual_eps_q8")
             hidden, out, q8 = kernels.tail_dual_eps_q8(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps,
                                                        self.geometry)
-            self._q8_of = (out, q8)
+            self._forms["q8"] = (out, q8)
             return hidden, out
         # the exact Q4_K matvec after the tail reads its output scaled and summed by the tail; not
         # before the head, the q8 kernels or the legacy fused FFN, which read y
@@ -245,16 +246,15 @@ class PinnedRoute(Route):
             self.count("fused_norm_residual_rms_norm_batch_dual_eps_q4")
             hidden, out, prep = kernels.tail_dual_eps_q4(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps,
                                                          self.geometry)
-            self._prep_of = (out, prep)
+            self._forms["q4_K"] = (out, prep)
             return hidden, out
         self.count("fused_norm_residual_rms_norm_batch_dual_eps")
         return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
 
-    def _prepared(self, x):
-        """``x`` prepared for the Q4_K lanes, if the tail that made it did so (taken once)."""
-        prep = self._prep_of[1] if self._prep_of is not None and self._prep_of[0] is x else None
-        self._prep_of = None
-        return prep
+    def _form_of(self, x, form: str):
+        """``x`` in the input form ``form``, if the tail that made it wrote that form (taken once)."""
+        out, held = self._forms.pop(form, (None, None))
+        return held if out is x else None
 
     def _batched(self, x) -> bool:
         return self.batched is not None and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
@@ -293,7 +293,7 @@ class PinnedRoute(Route):
                 self.count("mul_mv_q4_K_q8 (multi)")
                 return kernels.mul_mv_q8(x, mats)
             self.count("mul_mv_multi_f32")
-            prep = self._prepared(x) if any(k == "q4_K" for _, k in mats) else None
+            prep = self._form_of(x, "q4_K") if any(k == "q4_K" for _, k in mats) else None
             return kernels.mul_mv_multi(x, mats, prep=prep)
         return super().project(x, ws)
 
@@ -338,9 +338,8 @@ class PinnedRoute(Route):
 
     def ffn_gate_up(self, x, gate, up, activation):
         # x quantized by the tail that made it, if it did (the same bits as quantizing it here)
-        q8 = self._q8_of[1] if self._q8_of is not None and self._q8_of[0] is x else None
-        self._q8_of = None
-        prep = self._prepared(x)
+        q8 = self._form_of(x, "q8")
+        prep = self._form_of(x, "q4_K")
         # The dtype guard of seeds Ch 18 §18.6: the fused kernel exists for Q4_K only.
         fusable = all(w.form == "blocks" and w.qtype == T.Q4_K for w in (gate, up))
         if "ffn_4r2s" in self.flags and fusable:

@@ -190,6 +190,12 @@ def check_ffn(rng, quick):
                     note="expected to differ (seeds §18.6)")
 
 
+def some_rows(n: int) -> mx.array:
+    """The rows a full-size check compares of ``n``: the first 64 and 64 spread to the last (the
+    oracle of every row is slow on the CPU)."""
+    return mx.array(np.unique(np.r_[0:64, np.linspace(0, n - 1, 64).astype(int)]))
+
+
 def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
     """Valid raw blocks without a quantizer (fast at 202,048 rows)."""
     return mx.array(synthetic.random_blocks(rows, k, qtype, rng))
@@ -287,7 +293,6 @@ def check_q8(rng, quick):
     D, ff = (6656, 19968) if not quick else (512, 768)  # (768: an odd number of blocks per row)
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h = randn(rng, 1, D), randn(rng, 1, ff)
-    some = lambda n: mx.array(np.unique(np.r_[0:64, np.linspace(0, n - 1, 64).astype(int)]))  # noqa: E731
     lanes = mul_mv.q8_pre_geometry(WHICH)[2]
     oracle = lambda y, w, n=lanes: mul_mv.mul_mv_q4_K_q8_oracle(y, w, n)  # noqa: E731
     geo = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
@@ -311,7 +316,7 @@ def check_q8(rng, quick):
     # since none is the GLU)
     singles = ((wq, x), (random_blocks(D, ff, T.Q4_K, rng), h), (random_blocks(D, qw, T.Q4_K, rng), randn(rng, 1, qw)))
     for w, y in singles:
-        rows, k, sel = w.shape[0], y.shape[-1], some(w.shape[0])
+        rows, k, sel = w.shape[0], y.shape[-1], some_rows(w.shape[0])
         with env("MUSE_MLX_Q8_PRE", "all"):
             got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
         compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {geo}", got[..., sel], oracle(y, w[sel]),
@@ -319,7 +324,7 @@ def check_q8(rng, quick):
         got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
         compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], oracle(y, w[sel], 32),
                 note=f"{sel.size} rows")
-    sel = some(ff)
+    sel = some_rows(ff)
     got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
     want = ffn.silu_oracle(oracle(x, wq[sel]), oracle(x, wq2[sel]), exp=probe("exp"))
     compare("mul_mv_q4_K_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {geo}", got[..., sel], want, note="device exp")
@@ -366,12 +371,11 @@ def check_q4_forms(rng, quick):
     every Q4_K shape of the release geometry, then a tiny model's decoded logits, form against form."""
     D, ff = (6656, 19968) if not quick else (512, 768)
     qw, kvw = (4096, 256) if not quick else (256, 64)
-    some = lambda n: mx.array(np.unique(np.r_[0:64, np.linspace(0, n - 1, 64).astype(int)]))  # noqa: E731
     x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
     oracle = mul_mv.mul_mv_q4_K_oracle
     for w, y, name in ((random_blocks(ff, D, T.Q4_K, rng), x, "ffn_gate"), (random_blocks(D, ff, T.Q4_K, rng), h,
                        "ffn_down"), (random_blocks(D, qw, T.Q4_K, rng), a, "attn_output")):
-        sel = some(w.shape[0])
+        sel = some_rows(w.shape[0])
         want = oracle(y, w[sel])
         for halves in ("1", "0"):
             with env("MUSE_MLX_Q4K_HALVES", halves):
@@ -392,7 +396,7 @@ def check_q4_forms(rng, quick):
           (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
     want = mx.concatenate([mul_mv.ORACLES[k](x, w) for w, k in ws], -1)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
-    sel = some(ff)
+    sel = some_rows(ff)
     want_glu = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
     with env("MUSE_MLX_Q4K_HALVES", "1"):  # prepared activations need the halves form
         compare("mul_mv_multi_f32 prepared", f"q,k,v(Q6_K),gate x {D} edge y", gpu(K.mul_mv_multi, x, ws, prep=prep),
@@ -426,7 +430,7 @@ def check_glu_warps(rng, quick):
     D, ff = (6656, 19968) if not quick else (512, 768)
     x = edge_activations(rng, D)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
-    sel = mx.array(np.unique(np.r_[0:64, np.linspace(0, ff - 1, 64).astype(int)]))
+    sel = some_rows(ff)
     oracle = mul_mv.mul_mv_q4_K_oracle
     want = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
     prep = mul_mv.q4_K_prepared(x)

@@ -370,20 +370,18 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
     prep = (y_d, mx.zeros((1, D // 8)))  # the activations as a tail prepares them (MUSE_MLX_Q4K_HALVES=1)
     for g in q4_geoms:
         qkvg = [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")]
+        glu = lambda form, **kw: rec(f"ffn_gate+up q4_K {FF}x{D} silu{form}", K.mul_mv_glu, y_d, q4(FF, D),  # noqa: E731
+                                     q4(FF, D), "q4_K", "silu", geometry=g, **kw)
         rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d, qkvg, geometry=g)
-        rec(f"ffn_gate+up q4_K {FF}x{D} silu", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu", geometry=g)
+        glu("")
         with env("MUSE_MLX_Q4K_HALVES", "1"):  # the halves form, alone and with prepared activations
             rec(f"ffn_down {D}x{FF} halves", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
             rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW} prepared", K.mul_mv_multi, y_d, qkvg, geometry=g, prep=prep)
-            rec(f"ffn_gate+up q4_K {FF}x{D} silu halves", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu",
-                geometry=g)
-            rec(f"ffn_gate+up q4_K {FF}x{D} silu prepared", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D), "q4_K", "silu",
-                geometry=g, prep=prep)
+            glu(" halves")
+            glu(" prepared", prep=prep)
             with env("MUSE_MLX_GLU_WARPS", "16"):  # bounded for 16 warps per SM (128 registers at NSG 2)
-                rec(f"ffn_gate+up q4_K {FF}x{D} silu halves, 16 warps", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D),
-                    "q4_K", "silu", geometry=g)
-                rec(f"ffn_gate+up q4_K {FF}x{D} silu prepared, 16 warps", K.mul_mv_glu, y_d, q4(FF, D), q4(FF, D),
-                    "q4_K", "silu", geometry=g, prep=prep)
+                glu(" halves, 16 warps")
+                glu(" prepared, 16 warps", prep=prep)
     for g in head or q6_geoms:
         rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g, head=True)
     for g in q6_geoms:
@@ -459,7 +457,7 @@ def short_template(tmpl) -> str:
 def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool) -> dict:
     kernel = c["kernel"]
     header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
-    src = header + kernel.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
+    src = header + Kernel.recorded_source(c)
     cubin, log = tc.compile(src, tmp)
     text = tc.sass(cubin)
     insns = [i for i in parse_sass(text) if i["base"] != "NOP"]

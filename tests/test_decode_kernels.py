@@ -541,7 +541,7 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "16")
     c = recorded(y, q4, q4, "q4_K", geometry="2x2x1x1")
     assert c["bounds"] == (64, 8)
-    src = c["kernel"].cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
+    src = Kernel.recorded_source(c)
     bound = src.index("#define __global__ __location__(global) __launch_bounds__(64, 8)")
     assert bound < src.index("__global__ void custom_kernel_mul_mv_glu_f32_lb64x8(")
     assert recorded(y, q4, q4, "q4_K", geometry="2x4x1x1")["bounds"] == (128, 4)
@@ -553,7 +553,7 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
             mul_mv.glu_min_blocks("cuda", 2)
     monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "0")
     c = recorded(y, q4, q4, "q4_K")
-    src = c["kernel"].cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"], c["bounds"])
+    src = Kernel.recorded_source(c)
     assert c["bounds"] is None and "#undef __global__" not in src and "custom_kernel_mul_mv_glu_f32(" in src
 
 

@@ -371,8 +371,7 @@ def test_cuda_translation_of_every_kernel_compiles(tmp_path):
     for i, c in enumerate(record_all_kernels()):
         k = c["kernel"]
         src = tmp_path / f"k{i}.cu"
-        src.write_text(header + k.cuda_source([a.dtype for a in c["inputs"]], c["output_dtypes"], c["template"],
-                                                c["bounds"]))
+        src.write_text(header + Kernel.recorded_source(c))
         r = subprocess.run(["nvcc", "-arch=sm_90", "-ptx", "-o", str(src) + ".ptx", str(src)], capture_output=True, text=True)
         assert r.returncode == 0, f"{k.name}:\n{r.stderr[-3000:]}"
         if c["bounds"]:  # the redefined __global__ reached the kernel: its PTX carries the bound

@@ -60,7 +60,7 @@ def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
     # the tail before each GLU writes the GLU's int8 activations too: one tail of the two per layer
     assert d["fused_norm_residual_rms_norm_batch_dual_eps_q8"] == d["fused_norm_residual_rms_norm_batch_dual_eps"]
     assert d["fused_norm_residual_rms_norm_batch_dual_eps_q8"] == model.cfg.n_layer
-    assert model.route._q8_of is None  # taken by the GLU
+    assert "q8" not in model.route._forms  # taken by the GLU
 
 
 def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
@@ -122,7 +122,7 @@ def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monk
         assert tails + d["fused_norm_residual_rms_norm_batch_dual_eps"] == 2 * L
         # layer 0's projection reads the entry norm's output: not prepared
         assert taken == ([False] + [True] * (2 * L - 1) if forced else [False] * (2 * L))
-        assert model.route._prep_of is None  # every prepared output was taken
+        assert "q4_K" not in model.route._forms  # every prepared output was taken
     np.testing.assert_array_equal(out[False].view(np.uint32), out[True].view(np.uint32))
     for flag in ("mv_q8", "ffn_4r2s"):  # kernels that read y: no tail prepares for them
         flagged = load_model(tiny("muse-glimmer"), "pinned", [flag])

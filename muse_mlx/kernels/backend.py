@@ -309,6 +309,12 @@ class Kernel:
             + consts + to_cuda(self.body) + "\n}\n\n} // namespace mlx::core::cu\n"
         )
 
+    @staticmethod
+    def recorded_source(call: dict) -> str:
+        """:meth:`cuda_source` of a call recorded in :attr:`recorded` (its kernel, dtypes, template, bounds)."""
+        return call["kernel"].cuda_source([a.dtype for a in call["inputs"]], call["output_dtypes"], call["template"],
+                                          call["bounds"])
+
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template, which=None,
                  min_blocks: int = 0, **kw):
         """``min_blocks``: on CUDA, compile for at least that many resident threadgroups per SM
