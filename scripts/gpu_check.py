@@ -451,6 +451,28 @@ def check_glu_warps(rng, quick):
     compare("decode GLU 16 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
 
 
+def check_head_warps(rng, quick):
+    """The vocabulary head at its tuned geometry, compiled with its launch bounds (HEAD_WARPS: the
+    occupancy it was tuned at) and without (MUSE_MLX_HEAD_WARPS=0), each against the oracle: the
+    register allocation must not move a bit. Also the lone Q6_K matrix beside it (never bounded)."""
+    rows, D = (202048, 6656) if not quick else (1000, 768)
+    x = randn(rng, 1, D)
+    w = random_blocks(rows, D, T.Q6_K, rng)
+    sel = some_rows(rows)
+    want = mul_mv.mul_mv_q6_K_oracle(x, w[sel])
+    tuned = mul_mv.mv_geometry("tuned", WHICH, "q6_K head")
+    warps = mul_mv.head_min_blocks(WHICH, tuned) * tuned[1]
+    for setting in (None, "0"):
+        with env("MUSE_MLX_HEAD_WARPS", setting):
+            got = gpu(K.mul_mv_q6_K, x, w, head=True)
+        compare(f"mul_mv_q6_K_f32 head, {warps if setting is None else 0} warps bound", f"{rows}x{D} T=1",
+                got[..., sel], want, note=f"geometry {'x'.join(map(str, tuned))}")
+    bounded = ("cuda", (32 * tuned[1], warps // tuned[1]))
+    if WHICH == "cuda" and warps and bounded not in mul_mv._Q6_K._built:  # else the first line proved nothing
+        raise RuntimeError(f"the head ran without its launch bounds: no {bounded} among {list(mul_mv._Q6_K._built)}")
+    compare("mul_mv_q6_K_f32 (lone, unbounded)", f"{rows}x{D} T=1", gpu(K.mul_mv_q6_K, x, w)[..., sel], want)
+
+
 def check_stock_q6k(rng, quick):
     """The stock route's Q6_K form (two MLX affine forms, hi + lo) on the device: MLX's own
     dequantization of the pair against gguf-py, bit for bit (zeros compared without their sign,
@@ -530,7 +552,7 @@ def transcendental_ulps(rng, quick=False):
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
-                glu_warps=check_glu_warps, q8=check_q8,
+                glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

@@ -537,7 +537,7 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     monkeypatch.delenv("MUSE_MLX_GLU_WARPS", raising=False)
     for table, blocks in (({"cuda": 0}, 0), ({"cuda": 16}, 8)):  # unset: the per-backend table
         monkeypatch.setattr(mul_mv, "GLU_WARPS", table)
-        assert mul_mv.glu_min_blocks("cuda", 2) == blocks and mul_mv.glu_min_blocks("record", 2) == 0
+        assert mul_mv.glu_min_blocks("cuda", 2) == mul_mv.glu_min_blocks("record", 2) == blocks
     monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "16")
     c = recorded(y, q4, q4, "q4_K", geometry="2x2x1x1")
     assert c["bounds"] == (64, 8)
@@ -555,6 +555,42 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     c = recorded(y, q4, q4, "q4_K")
     src = Kernel.recorded_source(c)
     assert c["bounds"] is None and "#undef __global__" not in src and "custom_kernel_mul_mv_glu_f32(" in src
+
+
+def test_head_is_bounded_at_its_tuned_geometry_only(monkeypatch):
+    """The vocabulary head keeps the occupancy its tuned geometry was timed at (HEAD_WARPS, as
+    launch bounds under a name of its own); any other head geometry, and the other Q6_K matrices,
+    are not bounded unless MUSE_MLX_HEAD_WARPS asks; Metal and the CPU never are."""
+    y, q6 = arr(1, 256), qrows(8, 256, "q6_K")
+
+    def bounds(head, geometry="tuned"):
+        Kernel.recorded.clear()
+        K.mul_mv_q6_K(y, q6, which="record", head=head, geometry=geometry)
+        (c,) = Kernel.recorded
+        Kernel.recorded.clear()
+        return c["bounds"], c
+
+    for var in ("MUSE_MLX_HEAD_WARPS", "MUSE_MLX_MV_GEOMETRY_HEAD", "MUSE_MLX_MV_GEOMETRY_Q6K"):
+        monkeypatch.delenv(var, raising=False)
+    tuned = mul_mv.MV_GEOMETRIES["tuned"]["cuda"]["q6_K head"]
+    g = "x".join(map(str, tuned))
+    nsg = tuned[1]
+    threads, warps = 32 * nsg, mul_mv.HEAD_WARPS["cuda"]
+    b, c = bounds(True, g)
+    assert b == (threads, warps // nsg)
+    assert f"custom_kernel_mul_mv_q6_K_f32_lb{threads}x{warps // nsg}(" in Kernel.recorded_source(c)
+    assert mul_mv.head_min_blocks("cuda", tuned) == warps // nsg
+    assert bounds(False, g)[0] is None  # the ffn_down at the same geometry: no bound
+    assert bounds(True, "2x4x1x1")[0] is None  # another head geometry: none
+    monkeypatch.setattr(mul_mv, "HEAD_WARPS", {"cuda": 0})
+    assert bounds(True, g)[0] is None
+    monkeypatch.setenv("MUSE_MLX_HEAD_WARPS", "16")  # the variable bounds any head geometry
+    assert bounds(True, "2x4x1x1")[0] == (128, 4) and bounds(False, "2x4x1x1")[0] is None
+    assert mul_mv.head_min_blocks("metal", tuned) == mul_mv.head_min_blocks("cpu", tuned) == 0
+    for bad in ("6", "80", "many"):
+        monkeypatch.setenv("MUSE_MLX_HEAD_WARPS", bad)
+        with pytest.raises(ValueError, match="MUSE_MLX_HEAD_WARPS"):
+            mul_mv.head_min_blocks("cuda", tuned)
 
 
 def test_a_bounded_kernel_is_built_apart(monkeypatch):

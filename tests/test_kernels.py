@@ -281,6 +281,8 @@ def record_all_kernels():
     with mock.patch.dict(os.environ, {"MUSE_MLX_GLU_WARPS": "16"}):  # launch bounds in the unit's header
         K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
     K.mul_mv_glu(x, q6, q6, "q6_K", "gelu_tanh", which="record")
+    head = "x".join(map(str, mul_mv.MV_GEOMETRIES["tuned"]["cuda"]["q6_K head"]))
+    K.mul_mv_q6_K(x, q6, which="record", head=True, geometry=head)  # bounded at its tuned geometry
     K.mul_mv_q8(x, [(q4, "q4_K"), (q6, "q6_K")], which="record")
     K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", glu="gelu_tanh")
     K.dequantize_rows(q4, "q4_K", which="record")

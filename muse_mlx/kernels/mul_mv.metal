@@ -276,23 +276,26 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 }
 
 // The weight loads of one round of U Q6_K blocks (jb, jb+2, ...) of each of NR rows: the lane's
-// three quant words, its four int8 scales (one per byte) and d. Past the row's end a block is
-// read again, not used.
+// three quant words, its four int8 scales (one per byte) and d. `lane[r]` is row r's first block
+// plus the lane's first quant offset; the lane's other fields sit at the same distances from it
+// in every block (to_h, to_sc, to_d), so a block's loads need one sum, lane[r] + 210j. (Offsets
+// from the block's start, as ggml writes them, cost NVIDIA 8 % more instructions in the
+// ffn_down's loop: address arithmetic per field.) Past the row's end a block is read again, not used.
 template <int NR, int U>
-MUSE_FN void q6K_load_round(device const uchar* thread const* row, uint jb, uint nb, uint q_offset_l,
-                            uint q_offset_h, uint is, thread uint (*ql1)[NR], thread uint (*ql2)[NR],
+MUSE_FN void q6K_load_round(device const uchar* thread const* lane, uint jb, uint nb, uint to_h,
+                            uint to_sc, uint to_d, thread uint (*ql1)[NR], thread uint (*ql2)[NR],
                             thread uint (*qh)[NR], thread uint (*sc)[NR], thread float (*d)[NR]) {
     for (int u = 0; u < U; ++u) {
         const uint j = min(jb + 2u * u, nb - 1u);
         for (int r = 0; r < NR; ++r) {
-            device const uchar* blk = row[r] + (ulong)j * 210u;
-            ql1[u][r] = load_u32_from_u16(blk + q_offset_l);
-            ql2[u][r] = load_u32_from_u16(blk + q_offset_l + 32);
-            qh[u][r] = load_u32_from_u16(blk + q_offset_h);
+            device const uchar* q = lane[r] + j * 210u;
+            ql1[u][r] = load_u32_from_u16(q);
+            ql2[u][r] = load_u32_from_u16(q + 32);
+            qh[u][r] = load_u32_from_u16(q + to_h);
             // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
-            sc[u][r] = uint(blk[192 + is]) | (uint(blk[194 + is]) << 8) | (uint(blk[196 + is]) << 16)
-                       | (uint(blk[198 + is]) << 24);
-            d[u][r] = float(*(device const half*)(blk + 208));
+            device const uchar* s = q + to_sc;
+            sc[u][r] = uint(s[0]) | (uint(s[2]) << 8) | (uint(s[4]) << 16) | (uint(s[6]) << 24);
+            d[u][r] = float(*(device const half*)(q + to_d));
         }
     }
 }
@@ -315,18 +318,20 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     const uint q_offset_l = 64 * ip + l0;
     const uint q_offset_h = 128 + 32 * ip + l0;
     const uint magic = 0x4B000000u | (tiisg >> 5);  // the 2^23 pattern, in a register (see u2f_m)
-    device const uchar* row[NA + NB];
+    device const uchar* lane[NA + NB];
     for (int r = 0; r < NA + NB; ++r) {
-        row[r] = r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes;
+        lane[r] = (r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes)
+                  + q_offset_l;
         sumf[r] = 0.0f;
     }
+    const uint to_h = q_offset_h - q_offset_l, to_sc = 192u + is - q_offset_l, to_d = 208u - q_offset_l;
     uint ql1[P + 1][U][NA + NB];
     uint ql2[P + 1][U][NA + NB];
     uint qh[P + 1][U][NA + NB];
     uint sc[P + 1][U][NA + NB];
     float d[P + 1][U][NA + NB];
     for (int e = 0; e < P; ++e)  // the first P rounds' loads
-        q6K_load_round<NA + NB, U>(row, ix + 2u * U * e, nb, q_offset_l, q_offset_h, is, ql1[e], ql2[e], qh[e],
+        q6K_load_round<NA + NB, U>(lane, ix + 2u * U * e, nb, to_h, to_sc, to_d, ql1[e], ql2[e], qh[e],
                                    sc[e], d[e]);
     for (uint i = ix; i < nb; i += 2 * U * (P + 1)) {
 #pragma unroll
@@ -334,7 +339,7 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
             const uint ci = i + 2u * U * s;
             if (s == 0 || ci < nb) {  // not `break` (see q4K_lane_sums)
             const int ls = (s + P) % (P + 1);  // P = 0: this round's loads; else those P rounds ahead
-            q6K_load_round<NA + NB, U>(row, ci + 2u * U * P, nb, q_offset_l, q_offset_h, is, ql1[ls], ql2[ls],
+            q6K_load_round<NA + NB, U>(lane, ci + 2u * U * P, nb, to_h, to_sc, to_d, ql1[ls], ql2[ls],
                                        qh[ls], sc[ls], d[ls]);
 #pragma unroll
             for (int u = 0; u < U; ++u) {

@@ -239,20 +239,43 @@ def q4K_halves(which: str) -> int:
 GLU_WARPS = {"cuda": 0}
 
 
+def _bounded_warps(which: str, nsg: int, default: int, var: str, what: str) -> int:
+    """Resident warps per SM a kernel of ``nsg`` SIMD groups per threadgroup is bounded for: on
+    CUDA (and in a recorded call, which is what CUDA would compile) ``default``, unless the
+    environment variable ``var`` says otherwise (a multiple of ``nsg``, at most 64; 0 for none)."""
+    if which not in ("cuda", "record"):
+        return 0
+    env = os.environ.get(var)
+    if env is None:
+        return default
+    if not env.isdigit() or int(env) > 64 or int(env) % nsg:
+        raise ValueError(f"{var}={env!r}: expected 0 or a multiple of {what}'s {nsg} SIMD groups "
+                         "per threadgroup, at most 64")
+    return int(env)
+
+
 def glu_min_blocks(which: str, nsg: int) -> int:
     """Threadgroups of ``nsg`` SIMD groups per SM the Q4_K GLU is bounded for (:data:`GLU_WARPS`):
     ``MUSE_MLX_GLU_WARPS=N`` overrides it (N a multiple of ``nsg``, at most 64; 0 for none)."""
-    if which not in ("cuda", "record"):
-        return 0
-    env = os.environ.get("MUSE_MLX_GLU_WARPS")
-    if env is None:
-        warps = GLU_WARPS.get(which, 0)
-    elif not env.isdigit() or int(env) > 64 or int(env) % nsg:
-        raise ValueError(f"MUSE_MLX_GLU_WARPS={env!r}: expected 0 or a multiple of the GLU's {nsg} SIMD groups "
-                         "per threadgroup, at most 64")
-    else:
-        warps = int(env)
-    return warps // nsg
+    return _bounded_warps(which, nsg, GLU_WARPS.get("cuda", 0), "MUSE_MLX_GLU_WARPS", "the GLU") // nsg
+
+
+# Resident warps per SM the vocabulary head is compiled for on CUDA at its tuned geometry
+# (``__launch_bounds__``). That geometry won its traces at 72 registers, 28 warps per SM. The
+# Q6_K lanes' present load form (q6K_load_round, twelfth session) would take it to 80 registers,
+# 24 warps, for 5 % fewer instructions; bounded for 28 warps it compiles to 72 registers, no
+# spill and the old form's instruction count (kernel_sass.py, NVRTC 13.5): the head as it was
+# timed, while the other Q6_K matrices keep the new form's savings. Whether the unbounded head
+# is faster is for a trace (MUSE_MLX_HEAD_WARPS=0). Other head geometries are not bounded.
+HEAD_WARPS = {"cuda": 28}
+
+
+def head_min_blocks(which: str, geometry: tuple[int, int, int, int]) -> int:
+    """Threadgroups per SM the head of ``geometry`` (NR0, NSG, U, P) is bounded for: :data:`HEAD_WARPS`
+    at the tuned head geometry, none at any other; ``MUSE_MLX_HEAD_WARPS=N`` sets it for any."""
+    tuned = geometry == MV_GEOMETRIES["tuned"]["cuda"]["q6_K head"]
+    default = HEAD_WARPS.get("cuda", 0) if tuned else 0
+    return _bounded_warps(which, geometry[1], default, "MUSE_MLX_HEAD_WARPS", "the head") // geometry[1]
 
 
 def q4K_prep(which: str) -> bool:
@@ -327,7 +350,8 @@ def _k_of(w: mx.array, kind: str) -> int:
 
 
 def _launch(kernel, y, w, which, geometry, kind):
-    """One matvec of geometry ``kind`` ("q4_K single", "q6_K" or "q6_K head")."""
+    """One matvec of geometry ``kind`` ("q4_K single", "q6_K" or "q6_K head"); the head bounded
+    as :func:`head_min_blocks` says."""
     R = w.shape[0]
     qtype = kind.split()[0]
     K = _k_of(w, qtype)
@@ -338,7 +362,7 @@ def _launch(kernel, y, w, which, geometry, kind):
         template.append(("HALVES", q4K_halves(which)))
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=template, which=which,
+        template=template, which=which, min_blocks=head_min_blocks(which, (nr0, nsg, u, p)) if kind == "q6_K head" else 0,
     )
     return dst
 
