@@ -455,21 +455,24 @@ def check_head_warps(rng, quick):
     """The vocabulary head at its tuned geometry, compiled with its launch bounds (HEAD_WARPS: the
     occupancy it was tuned at) and without (MUSE_MLX_HEAD_WARPS=0), each against the oracle: the
     register allocation must not move a bit. Also the lone Q6_K matrix beside it (never bounded)."""
+    for var in ("MUSE_MLX_HEAD_WARPS", "MUSE_MLX_MV_GEOMETRY_HEAD", "MUSE_MLX_MV_GEOMETRY_Q6K"):
+        if var in os.environ:  # each would move the head off what this section checks
+            raise RuntimeError(f"head_warps checks the default head: unset {var} first")
     rows, D = (202048, 6656) if not quick else (1000, 768)
     x = randn(rng, 1, D)
     w = random_blocks(rows, D, T.Q6_K, rng)
     sel = some_rows(rows)
     want = mul_mv.mul_mv_q6_K_oracle(x, w[sel])
     tuned = mul_mv.mv_geometry("tuned", WHICH, "q6_K head")
-    warps = mul_mv.head_min_blocks(WHICH, tuned) * tuned[1]
-    for setting in (None, "0"):
+    blocks = mul_mv.head_min_blocks(WHICH, tuned)
+    for setting, key in ((None, ("cuda", (32 * tuned[1], blocks) if blocks else None)), ("0", ("cuda", None))):
+        mul_mv._Q6_K._built.clear()  # so the kernel built below is the one that ran
         with env("MUSE_MLX_HEAD_WARPS", setting):
             got = gpu(K.mul_mv_q6_K, x, w, head=True)
-        compare(f"mul_mv_q6_K_f32 head, {warps if setting is None else 0} warps bound", f"{rows}x{D} T=1",
+        if WHICH == "cuda" and list(mul_mv._Q6_K._built) != [key]:  # else the line proves nothing
+            raise RuntimeError(f"the head ran as {list(mul_mv._Q6_K._built)}, not {key}")
+        compare(f"mul_mv_q6_K_f32 head, {blocks * tuned[1] if setting is None else 0} warps bound", f"{rows}x{D} T=1",
                 got[..., sel], want, note=f"geometry {'x'.join(map(str, tuned))}")
-    bounded = ("cuda", (32 * tuned[1], warps // tuned[1]))
-    if WHICH == "cuda" and warps and bounded not in mul_mv._Q6_K._built:  # else the first line proved nothing
-        raise RuntimeError(f"the head ran without its launch bounds: no {bounded} among {list(mul_mv._Q6_K._built)}")
     compare("mul_mv_q6_K_f32 (lone, unbounded)", f"{rows}x{D} T=1", gpu(K.mul_mv_q6_K, x, w)[..., sel], want)
 
 

@@ -582,6 +582,10 @@ def test_head_is_bounded_at_its_tuned_geometry_only(monkeypatch):
     assert mul_mv.head_min_blocks("cuda", tuned) == warps // nsg
     assert bounds(False, g)[0] is None  # the ffn_down at the same geometry: no bound
     assert bounds(True, "2x4x1x1")[0] is None  # another head geometry: none
+    assert warps % nsg == 0  # the table's bound is whole threadgroups of the tuned geometry
+    monkeypatch.setenv("MUSE_MLX_HEAD_WARPS", "0")  # the opt-out a trace compares against
+    assert bounds(True, g)[0] is None
+    monkeypatch.delenv("MUSE_MLX_HEAD_WARPS")
     monkeypatch.setattr(mul_mv, "HEAD_WARPS", {"cuda": 0})
     assert bounds(True, g)[0] is None
     monkeypatch.setenv("MUSE_MLX_HEAD_WARPS", "16")  # the variable bounds any head geometry

@@ -279,7 +279,7 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 // three quant words, its four int8 scales (one per byte) and d. `lane[r]` is row r's first block
 // plus the lane's first quant offset; the lane's other fields sit at the same distances from it
 // in every block (to_h, to_sc, to_d), so a block's loads need one sum, lane[r] + 210j. (Offsets
-// from the block's start, as ggml writes them, cost NVIDIA 8 % more instructions in the
+// from the block's start, as ggml writes them, cost NVIDIA 9 % more instructions in the
 // ffn_down's loop: address arithmetic per field.) Past the row's end a block is read again, not used.
 template <int NR, int U>
 MUSE_FN void q6K_load_round(device const uchar* thread const* lane, uint jb, uint nb, uint to_h,

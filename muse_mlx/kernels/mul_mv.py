@@ -273,7 +273,7 @@ HEAD_WARPS = {"cuda": 28}
 def head_min_blocks(which: str, geometry: tuple[int, int, int, int]) -> int:
     """Threadgroups per SM the head of ``geometry`` (NR0, NSG, U, P) is bounded for: :data:`HEAD_WARPS`
     at the tuned head geometry, none at any other; ``MUSE_MLX_HEAD_WARPS=N`` sets it for any."""
-    tuned = geometry == MV_GEOMETRIES["tuned"]["cuda"]["q6_K head"]
+    tuned = tuple(geometry) == tuple(MV_GEOMETRIES["tuned"]["cuda"]["q6_K head"])
     default = HEAD_WARPS.get("cuda", 0) if tuned else 0
     return _bounded_warps(which, geometry[1], default, "MUSE_MLX_HEAD_WARPS", "the head") // geometry[1]
 
