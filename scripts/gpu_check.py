@@ -92,6 +92,16 @@ def gpu(fn, *args, **kw):
     return out
 
 
+def gpu_as(kernel: Kernel, key, fn, *args, **kw):
+    """:func:`gpu`, with ``kernel``'s builds cleared first so that the one built is the one that ran;
+    on CUDA it must be the variant ``key`` (Kernel.build's key), else the comparison proves nothing."""
+    kernel._built.clear()
+    out = gpu(fn, *args, **kw)
+    if WHICH == "cuda" and list(kernel._built) != [key]:
+        raise RuntimeError(f"{kernel.name} ran as {list(kernel._built)}, not {key}")
+    return out
+
+
 def randn(rng, *shape, scale=1.0):
     return mx.array((scale * rng.standard_normal(shape)).astype(np.float32))
 
@@ -439,11 +449,9 @@ def check_glu_warps(rng, quick):
     with env("MUSE_MLX_GLU_WARPS", "16"):
         for halves, pr in (("1", prep), ("1", None), ("0", None)):
             with env("MUSE_MLX_Q4K_HALVES", halves):
-                got = gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu", prep=pr)
+                got = gpu_as(mul_mv._GLU, bounded, K.mul_mv_glu, x, wg, wu, "q4_K", "silu", prep=pr)
             compare(f"mul_mv_glu_f32 16 warps HALVES={halves}{' prepared' if pr else ''}", f"{ff}x{D} q4_K silu edge y",
                     got[..., sel], want, note="device exp")
-    if WHICH == "cuda" and bounded not in mul_mv._GLU._built:  # else the comparisons above proved nothing
-        raise RuntimeError(f"the GLU ran without its launch bounds: no {bounded} among {list(mul_mv._GLU._built)}")
     model, tokens = tiny_model(rng, 24)
     base = tiny_decode(model, tokens)
     with env("MUSE_MLX_GLU_WARPS", "16"):
@@ -466,11 +474,8 @@ def check_head_warps(rng, quick):
     tuned = mul_mv.mv_geometry("tuned", WHICH, "q6_K head")
     blocks = mul_mv.head_min_blocks(WHICH, tuned)
     for setting, key in ((None, ("cuda", (32 * tuned[1], blocks) if blocks else None)), ("0", ("cuda", None))):
-        mul_mv._Q6_K._built.clear()  # so the kernel built below is the one that ran
         with env("MUSE_MLX_HEAD_WARPS", setting):
-            got = gpu(K.mul_mv_q6_K, x, w, head=True)
-        if WHICH == "cuda" and list(mul_mv._Q6_K._built) != [key]:  # else the line proves nothing
-            raise RuntimeError(f"the head ran as {list(mul_mv._Q6_K._built)}, not {key}")
+            got = gpu_as(mul_mv._Q6_K, key, K.mul_mv_q6_K, x, w, head=True)
         compare(f"mul_mv_q6_K_f32 head, {blocks * tuned[1] if setting is None else 0} warps bound", f"{rows}x{D} T=1",
                 got[..., sel], want, note=f"geometry {'x'.join(map(str, tuned))}")
     compare("mul_mv_q6_K_f32 (lone, unbounded)", f"{rows}x{D} T=1", gpu(K.mul_mv_q6_K, x, w)[..., sel], want)

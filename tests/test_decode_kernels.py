@@ -522,17 +522,20 @@ def test_prepared_activations_are_checked(monkeypatch):
     Kernel.recorded.clear()
 
 
+def record_one(fn, *a, **kw) -> dict:
+    """The one kernel call ``fn(*a, which="record", **kw)`` makes, as Kernel.recorded holds it."""
+    Kernel.recorded.clear()
+    fn(*a, which="record", **kw)
+    (c,) = Kernel.recorded
+    Kernel.recorded.clear()
+    return c
+
+
 def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     """MUSE_MLX_GLU_WARPS bounds the Q4_K GLU only, as threadgroups per SM of its geometry, under a
     name of its own (MLX caches a kernel by name), with the bound in front of MLX's signature."""
     y, q4, q6 = arr(1, 256), qrows(8, 256, "q4_K"), qrows(8, 256, "q6_K")
-
-    def recorded(*a, **kw):
-        Kernel.recorded.clear()
-        K.mul_mv_glu(*a, which="record", **kw)
-        (c,) = Kernel.recorded
-        Kernel.recorded.clear()
-        return c
+    recorded = lambda *a, **kw: record_one(K.mul_mv_glu, *a, **kw)  # noqa: E731
 
     monkeypatch.delenv("MUSE_MLX_GLU_WARPS", raising=False)
     for table, blocks in (({"cuda": 0}, 0), ({"cuda": 16}, 8)):  # unset: the per-backend table
@@ -564,10 +567,7 @@ def test_head_is_bounded_at_its_tuned_geometry_only(monkeypatch):
     y, q6 = arr(1, 256), qrows(8, 256, "q6_K")
 
     def bounds(head, geometry="tuned"):
-        Kernel.recorded.clear()
-        K.mul_mv_q6_K(y, q6, which="record", head=head, geometry=geometry)
-        (c,) = Kernel.recorded
-        Kernel.recorded.clear()
+        c = record_one(K.mul_mv_q6_K, y, q6, head=head, geometry=geometry)
         return c["bounds"], c
 
     for var in ("MUSE_MLX_HEAD_WARPS", "MUSE_MLX_MV_GEOMETRY_HEAD", "MUSE_MLX_MV_GEOMETRY_Q6K"):
