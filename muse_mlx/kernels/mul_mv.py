@@ -196,8 +196,11 @@ MV_GEOMETRIES = {
     # 10.65 -> 9.97, q|k|v|gate 20.97 -> 19.10) and on the Q6_K ffn_down at 2x4 (63.6 -> 60.8;
     # the head 409 -> 431, a smaller loss); with U = 2 the Q6_K kernels were slower (88-103 us).
     # The vocabulary head (202,048 Q6_K rows, "q6_K head") kept the old 4x4x2x0 in the same lease-1
-    # traces: 409 us against 431 at 2x4x1x1. Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 1),
+    # traces: 409 us against 431 at 2x4x1x1. Thirteenth session: since the Q6_K lanes keep one
+    # pointer per row (62 registers at P = 2, one wave), P = 2 takes the Q6_K ffn_down from 62.1 to
+    # 57.2 us (0.13 ms per token); in the ninth session, at 64 registers, it had saved 2 us.
+    # Metal: unmeasured, so ggml's.
+    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 2),
                        "q6_K head": (4, 4, 2, 0)},
               "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (2, 2, 1, 0),
                         "q6_K head": (2, 2, 1, 0)}},
@@ -234,8 +237,10 @@ def q4K_halves(which: str) -> int:
 # Resident warps per SM that the exact Q4_K GLU is compiled for on CUDA (``__launch_bounds__``;
 # 0 leaves ptxas its own choice). It holds 158-165 registers, so 12 warps per SM fit; bounded for
 # 16 it fits 128 (no spill in the halves form, 28 bytes in the prepared one: kernel_sass.py, NVRTC
-# 13.5). The arithmetic is the same instructions either way, so the bits are too. Whether the
-# extra loads in flight beat the spill is for a GPU trace to say: 0 until one has.
+# 13.5). The arithmetic is the same instructions either way, so the bits are too. Traced on the
+# H200 (thirteenth session, docs/performance.md): 16 warps lose in the prepared form that CUDA runs
+# (63.4-63.5 against 61.5-62.1 us) and win only in the spill-free unprepared one (62.4 against
+# 64.6-65.0 us), which is no faster than the prepared form unbounded. So none.
 GLU_WARPS = {"cuda": 0}
 
 
@@ -265,8 +270,9 @@ def glu_min_blocks(which: str, nsg: int) -> int:
 # Q6_K lanes' present load form (q6K_load_round, twelfth session) would take it to 80 registers,
 # 24 warps, for 5 % fewer instructions; bounded for 28 warps it compiles to 72 registers, no
 # spill and the old form's instruction count (kernel_sass.py, NVRTC 13.5): the head as it was
-# timed, while the other Q6_K matrices keep the new form's savings. Whether the unbounded head
-# is faster is for a trace (MUSE_MLX_HEAD_WARPS=0). Other head geometries are not bounded.
+# timed, while the other Q6_K matrices keep the new form's savings. Traced on the H200 (thirteenth
+# session): 398.7-400.3 us bounded against 418.5 unbounded (MUSE_MLX_HEAD_WARPS=0), and 409 in the
+# old form. Other head geometries are not bounded.
 HEAD_WARPS = {"cuda": 28}
 
 
