@@ -589,7 +589,10 @@ def run_sections_apart(only: list[str], quick: bool, jobs: int) -> tuple[list[di
         t0 = time.time()
         proc = subprocess.run(section_command(name, quick, report), check=False, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
-        rows = json.loads(report.read_text())["results"] if report.exists() else None
+        try:
+            rows = json.loads(report.read_text())["results"]
+        except (OSError, ValueError, KeyError):  # no report, or a torn one: the section crashed
+            rows = None
         return proc.returncode, proc.stdout, rows, time.time() - t0
 
     results, crashed = [], []

@@ -13,7 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import gpu_check  # noqa: E402
 
 # A stand-in section: prints a machine line and one PASS line per row, then writes its report;
-# "slow" finishes last, "crash" raises before writing a report, "fail" reports a failed row.
+# "slow" finishes last, "crash" raises before writing a report, "torn" leaves half a report,
+# "fail" reports a failed row.
 STAND_IN = r"""
 import json, sys, time
 name, report = sys.argv[1], sys.argv[2]
@@ -22,6 +23,9 @@ if name == "slow":
     time.sleep(1.0)
 if name == "crash":
     raise RuntimeError("stand-in section crashed")
+if name == "torn":
+    open(report, "w").write('{"results": [')
+    sys.exit(0)
 rows = [dict(kernel=f"{name} row {i}", ok=(name != "fail"), exact=(name != "fail")) for i in range(2)]
 for r in rows:
     print("PASS " if r["ok"] else "FAIL ", r["kernel"])
@@ -37,14 +41,14 @@ def stand_in(monkeypatch):
 
 
 def test_sections_apart_keep_their_order_and_report_crashes(stand_in, capsys):
-    rows, crashed = gpu_check.run_sections_apart(["slow", "fast", "crash", "last"], quick=True, jobs=4)
+    rows, crashed = gpu_check.run_sections_apart(["slow", "fast", "crash", "torn", "last"], quick=True, jobs=4)
     out = capsys.readouterr().out
     assert [r["kernel"] for r in rows] == ["slow row 0", "slow row 1", "fast row 0", "fast row 1",
                                            "last row 0", "last row 1"]
-    assert crashed == ["crash"]
+    assert crashed == ["crash", "torn"]
     # each section's output under its own heading, in the order asked, though "slow" ended last
     heads = [line.split(" (")[0] for line in out.splitlines() if line.startswith("## ")]
-    assert heads == ["## slow", "## fast", "## crash", "## last"]
+    assert heads == ["## slow", "## fast", "## crash", "## torn", "## last"]
     assert out.index("slow row 1") < out.index("## fast") < out.index("fast row 0")
     assert "stand-in section crashed" in out and "exit status 1" in out
     assert '"backend": "stand-in"' not in out  # each child's machine line is dropped
