@@ -17,8 +17,8 @@ On a Mac this is the one command that tells whether Apple's simd_sum, dot and co
 what the oracles (which model the CUDA prelude) assume; see docs/gpu-exactness.md.
 
 The oracles run on the CPU and take most of the time, so ``--jobs N`` runs the sections in
-processes of their own, N at a time: on the H200's 16-core host the whole quick list takes
-under 4 minutes instead of about 13. Each section then draws its own random inputs, as with
+processes of their own, N at a time (on the H200's 16-core host, ten sections at once took as long
+as the longest of them, 224 s). Each section then draws its own random inputs, as with
 ``--only`` alone (in one process, a section's inputs depend on the sections before it).
 """
 
@@ -583,12 +583,13 @@ def section_command(name: str, quick: bool, report: Path) -> list[str]:
 def run_sections_apart(only: list[str], quick: bool, jobs: int) -> tuple[list[dict], list[str]]:
     """Each section in a process of its own, ``jobs`` at a time. Prints each section's output, in
     section order, once it and those before it are done; returns every comparison's row and the
-    sections that ended without a report (a crash: their output above says why)."""
+    sections that crashed: no report, a torn one, or an exit status that does not match it (0 when
+    every row passed, 1 when one failed; a crash at exit, say). Their output above says why."""
     def one(name: str, tmp: str):
         report = Path(tmp) / f"{name}.json"
         t0 = time.time()
         proc = subprocess.run(section_command(name, quick, report), check=False, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+                              stderr=subprocess.STDOUT, text=True, errors="replace")
         try:
             rows = json.loads(report.read_text())["results"]
         except (OSError, ValueError, KeyError):  # no report, or a torn one: the section crashed
@@ -605,10 +606,9 @@ def run_sections_apart(only: list[str], quick: bool, jobs: int) -> tuple[list[di
                 lines = lines[1:]  # the machine's description, printed once above
             print(f"\n## {name} ({dt:.0f} s, exit status {rc})")
             print("\n".join(lines).strip("\n"), flush=True)
-            if rows is None:
+            results += rows or []
+            if rows is None or rc != int(not all(r["ok"] for r in rows)):
                 crashed.append(name)
-            else:
-                results += rows
     return results, crashed
 
 
@@ -624,7 +624,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: expected 1 or more")
-    only = SECTIONS if args.only is None else args.only.split(",")
+    only = list(SECTIONS) if args.only is None else list(dict.fromkeys(args.only.split(",")))  # once each
     unknown = set(only) - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s) {', '.join(sorted(unknown))} in --only")

@@ -14,7 +14,7 @@ import gpu_check  # noqa: E402
 
 # A stand-in section: prints a machine line and one PASS line per row, then writes its report;
 # "slow" finishes last, "crash" raises before writing a report, "torn" leaves half a report,
-# "fail" reports a failed row.
+# "late" crashes after writing a whole one (status 139), "fail" reports a failed row (status 1).
 STAND_IN = r"""
 import json, sys, time
 name, report = sys.argv[1], sys.argv[2]
@@ -31,6 +31,7 @@ for r in rows:
     print("PASS " if r["ok"] else "FAIL ", r["kernel"])
 print(f"\n{len(rows)} comparisons")
 open(report, "w").write(json.dumps(dict(info={}, results=rows)))
+sys.exit(139 if name == "late" else int(name == "fail"))
 """
 
 
@@ -41,20 +42,22 @@ def stand_in(monkeypatch):
 
 
 def test_sections_apart_keep_their_order_and_report_crashes(stand_in, capsys):
-    rows, crashed = gpu_check.run_sections_apart(["slow", "fast", "crash", "torn", "last"], quick=True, jobs=4)
+    rows, crashed = gpu_check.run_sections_apart(["slow", "fast", "crash", "torn", "late", "last"], quick=True,
+                                                 jobs=4)
     out = capsys.readouterr().out
     assert [r["kernel"] for r in rows] == ["slow row 0", "slow row 1", "fast row 0", "fast row 1",
-                                           "last row 0", "last row 1"]
-    assert crashed == ["crash", "torn"]
+                                           "late row 0", "late row 1", "last row 0", "last row 1"]
+    assert crashed == ["crash", "torn", "late"]  # "late"'s rows are kept, but the run must fail
     # each section's output under its own heading, in the order asked, though "slow" ended last
     heads = [line.split(" (")[0] for line in out.splitlines() if line.startswith("## ")]
-    assert heads == ["## slow", "## fast", "## crash", "## torn", "## last"]
+    assert heads == ["## slow", "## fast", "## crash", "## torn", "## late", "## last"]
     assert out.index("slow row 1") < out.index("## fast") < out.index("fast row 0")
     assert "stand-in section crashed" in out and "exit status 1" in out
     assert '"backend": "stand-in"' not in out  # each child's machine line is dropped
 
 
-@pytest.mark.parametrize("sections, status", [("fast,last", 0), ("fast,fail", 1), ("fast,crash", 1)])
+@pytest.mark.parametrize("sections, status", [("fast,last", 0), ("fast,fail", 1), ("fast,crash", 1),
+                                              ("fast,last,fast", 0)])
 def test_jobs_run_exits_by_its_sections(stand_in, monkeypatch, tmp_path, capsys, sections, status):
     monkeypatch.setattr(gpu_check, "WHICH", "cuda")  # past the no-device check; nothing runs on a GPU
     monkeypatch.setattr(gpu_check, "RESULTS", [])
@@ -65,7 +68,7 @@ def test_jobs_run_exits_by_its_sections(stand_in, monkeypatch, tmp_path, capsys,
         monkeypatch.setitem(gpu_check.SECTIONS, name, None)
     assert gpu_check.main() == status
     saved = json.loads(report.read_text())
-    assert len(saved["results"]) == 2 * (2 - sections.count("crash"))
+    assert len(saved["results"]) == 2 * (2 - sections.count("crash"))  # a section named twice runs once
     assert saved["crashed"] == (["crash"] if "crash" in sections else [])
     summary = capsys.readouterr().out.strip().splitlines()
     assert any(line.startswith(f"{len(saved['results'])} comparisons, ") for line in summary)
