@@ -198,7 +198,7 @@ MV_GEOMETRIES = {
     # The vocabulary head (202,048 Q6_K rows, "q6_K head") kept the old 4x4x2x0 in the same lease-1
     # traces: 409 us against 431 at 2x4x1x1. Thirteenth session: since the Q6_K lanes keep one
     # pointer per row (62 registers at P = 2, one wave), P = 2 takes the Q6_K ffn_down from 62.1 to
-    # 57.2 us (0.13 ms per token); in the ninth session, at 64 registers, it had saved 2 us.
+    # 57.2 us (0.13 ms per token); in the ninth session, at 72 registers, it had saved 2 us.
     # Metal: unmeasured, so ggml's.
     "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 2),
                        "q6_K head": (4, 4, 2, 0)},
@@ -271,7 +271,7 @@ def glu_min_blocks(which: str, nsg: int) -> int:
 # 24 warps, for 5 % fewer instructions; bounded for 28 warps it compiles to 72 registers, no
 # spill and the old form's instruction count (kernel_sass.py, NVRTC 13.5): the head as it was
 # timed, while the other Q6_K matrices keep the new form's savings. Traced on the H200 (thirteenth
-# session): 398.7-400.3 us bounded against 418.5 unbounded (MUSE_MLX_HEAD_WARPS=0), and 409 in the
+# session): 395.5-400.3 us bounded against 418.5 unbounded (MUSE_MLX_HEAD_WARPS=0), and 409 in the
 # old form. Other head geometries are not bounded.
 HEAD_WARPS = {"cuda": 28}
 
