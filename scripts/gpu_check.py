@@ -46,7 +46,7 @@ from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx import synthetic  # noqa: E402
 from muse_mlx.compare import ulp_distance  # noqa: E402
 from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm  # noqa: E402
-from muse_mlx.kernels.backend import Kernel, backend  # noqa: E402
+from muse_mlx.kernels.backend import Kernel, backend, bounds_of  # noqa: E402
 from muse_mlx.quantizers import quantize  # noqa: E402
 
 from environment import env  # noqa: E402
@@ -453,7 +453,7 @@ def check_glu_warps(rng, quick):
     want = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
     prep = mul_mv.q4_K_prepared(x)
     nsg = mul_mv.mv_geometry("tuned", WHICH, "q4_K")[1]
-    bounded = ("cuda", (32 * nsg, 16 // nsg))  # the key Kernel.build files the bounded variant under
+    bounded = ("cuda", bounds_of((32, nsg, 1), 16 // nsg))  # the key Kernel.build files it under
     with env("MUSE_MLX_GLU_WARPS", "16"):
         for halves, pr in (("1", prep), ("1", None), ("0", None)):
             with env("MUSE_MLX_Q4K_HALVES", halves):
@@ -481,7 +481,7 @@ def check_head_warps(rng, quick):
     want = mul_mv.mul_mv_q6_K_oracle(x, w[sel])
     tuned = mul_mv.mv_geometry("tuned", WHICH, "q6_K head")
     blocks = mul_mv.head_min_blocks(WHICH, tuned)
-    for setting, key in ((None, ("cuda", (32 * tuned[1], blocks) if blocks else None)), ("0", ("cuda", None))):
+    for setting, key in ((None, ("cuda", bounds_of((32, tuned[1], 1), blocks))), ("0", ("cuda", None))):
         with env("MUSE_MLX_HEAD_WARPS", setting):
             got = gpu_as(mul_mv._Q6_K, key, K.mul_mv_q6_K, x, w, head=True)
         compare(f"mul_mv_q6_K_f32 head, {blocks * tuned[1] if setting is None else 0} warps bound", f"{rows}x{D} T=1",

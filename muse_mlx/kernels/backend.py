@@ -235,6 +235,13 @@ def launch_bounds(bounds: tuple[int, int] | None) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {min_blocks})\n"
 
 
+def bounds_of(threadgroup, min_blocks: int) -> tuple[int, int] | None:
+    """The launch bounds (threads, min_blocks) of a launch of ``threadgroup`` asking for
+    ``min_blocks`` resident threadgroups per SM; None for none (0). A bounded build is filed
+    under ``("cuda", bounds_of(...))`` (:meth:`Kernel.build`)."""
+    return (threadgroup[0] * threadgroup[1] * threadgroup[2], min_blocks) if min_blocks else None
+
+
 def bounded_name(name: str, bounds: tuple[int, int] | None) -> str:
     return name if bounds is None else f"{name}_lb{bounds[0]}x{bounds[1]}"
 
@@ -320,7 +327,7 @@ class Kernel:
         """``min_blocks``: on CUDA, compile for at least that many resident threadgroups per SM
         (``__launch_bounds__``; 0, ptxas's own register choice). Metal has no such bound."""
         which = which or backend()
-        bounds = (threadgroup[0] * threadgroup[1] * threadgroup[2], min_blocks) if min_blocks else None
+        bounds = bounds_of(threadgroup, min_blocks)
         if which == "record":
             Kernel.recorded.append(dict(
                 kernel=self, inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
