@@ -649,7 +649,8 @@ def main() -> int:
     print(f"\n{len(RESULTS)} comparisons, {sum(r['exact'] for r in RESULTS)} bit-for-bit, "
           f"{len(failed)} failed, {time.time() - t0:.0f} s")
     if crashed:
-        print(f"sections that stopped without a report: {', '.join(crashed)} (their output is above)")
+        print(f"sections that crashed (no report, a torn one, or an exit status it does not explain): "
+              f"{', '.join(crashed)} (their output is above)")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(info=info, results=RESULTS, crashed=crashed), indent=1))
     return 1 if failed or crashed else 0
