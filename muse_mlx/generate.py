@@ -275,7 +275,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
     p.add_argument("--route", default="stock", help="'stock' (MLX's ops) or 'pinned' (reference-order kernels) (default: %(default)s)")
     p.add_argument("--flag", action="append", default=[], dest="flags", metavar="NAME",
-                   help="opt-in pinned-route kernel, repeatable: tail_32sg, ffn_4r2s, split_norm_f16, mv_q8")
+                   help="opt-in pinned-route kernel, repeatable: tail_32sg, ffn_4r2s, split_norm_f16, mv_q8, "
+                        "mv_q8_q6k (with mv_q8); see docs/kernels.md")
     p.add_argument("--system-prompt", default=None, help="a system message for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true", help="encode the prompt as raw text (with the file's BOS rule)")
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP, help="prompt tokens per prefill chunk (default: %(default)s)")

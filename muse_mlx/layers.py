@@ -11,6 +11,8 @@ Forms of a :class:`QLinear` (attribute ``form``):
   * ``"affine_hi_lo"`` -- Q6_K as the sum of two MLX affine forms, group 64: ``weight``,
     ``scales``, ``biases`` (8 bits) plus ``weight_lo``, ``scales_lo``, ``biases_lo`` (6 bits),
     exact (see :func:`muse_mlx.quants.to_affine_hi_lo`);
+  * ``"q6_K_split"`` -- Q6_K only: the raw rows' bytes rearranged so every block's 208-byte body
+    starts on a 16-byte boundary (:func:`muse_mlx.quants.split_q6_K`), for the opt-in q8 kernels;
   * ``"dense"``  -- a float matrix ``[out, in]`` (F32/F16/BF16 tensors).
 """
 
@@ -23,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from gguf import GGMLQuantizationType as T
 
-from .quants import FORMATS, HI_LO_GROUP, dequantize, to_affine, to_affine_hi_lo
+from .quants import FORMATS, HI_LO_GROUP, dequantize, join_q6_K, split_q6_K, to_affine, to_affine_hi_lo
 
 
 class QLinear(nn.Module):
@@ -48,8 +50,31 @@ class QLinear(nn.Module):
             self.weight = mx.view(raw, mx.bfloat16) if qtype == T.BF16 else raw
         elif form == "blocks":
             self.weight = raw
+        elif form == "q6_K_split":
+            if qtype != T.Q6_K:
+                raise ValueError(f"the split form is for Q6_K rows, not {qtype.name}")
+            self.weight = split_q6_K(raw)
         else:
             raise ValueError(f"unknown linear form {form!r}")
+
+    # the two forms that hold the same bytes, and so can be turned into each other in place
+    _REFORMS = {("blocks", "q6_K_split"): split_q6_K, ("q6_K_split", "blocks"): join_q6_K}
+
+    def reform(self, form: str) -> None:
+        """Hold the weight in ``form`` from now on: raw blocks and the split form turn into each
+        other (the same bytes, so no more memory than the one matrix being rearranged)."""
+        if form == self.form:
+            return
+        step = self._REFORMS.get((self.form, form))
+        if step is None or self.qtype != T.Q6_K:
+            raise ValueError(f"a {self.qtype.name} weight held as {self.form!r} cannot become {form!r}")
+        self.weight = step(self.weight)
+        mx.eval(self.weight)
+        self.form = form
+
+    def raw_blocks(self) -> mx.array:
+        """The raw GGUF rows, for the "blocks" and "q6_K_split" forms (the split one rejoined)."""
+        return join_q6_K(self.weight) if self.form == "q6_K_split" else self.weight
 
     def affine_forms(self) -> list[tuple]:
         """The MLX affine forms ``(w, scales, biases, bits)`` whose sum is the matrix: one for
@@ -66,7 +91,7 @@ class QLinear(nn.Module):
                                          for q, s, b, bits in self.affine_forms()))
         if self.form == "dense":
             return self.weight.astype(mx.float32)
-        return dequantize(self.weight, self.qtype)
+        return dequantize(self.raw_blocks(), self.qtype)
 
     def _extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}"

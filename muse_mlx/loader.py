@@ -168,7 +168,8 @@ def load_model(path, route: str | Route = "stock", flags=(), progress: bool | No
     model.output_norm = w.norm("output_norm.weight", D, cfg.rms_eps)
     if cfg.tied_output:
         form = r.form_for(embd_type)
-        model.output = QLinear(raw_embd, embd_type, D, cfg.vocab_size, form)
+        # the embedding reads the same table as blocks: a split head would be a second copy
+        model.output = QLinear(raw_embd, embd_type, D, cfg.vocab_size, "blocks" if form == "q6_K_split" else form)
     else:
         model.output = w.linear("output.weight", cfg.vocab_size, D)
     mx.eval(model.parameters())

@@ -199,6 +199,21 @@ class Model(nn.Module):
     def make_cache(self) -> list:
         return make_cache(self.cfg)
 
+    def set_flags(self, flags) -> None:
+        """Switch the route's opt-in flags on the loaded model, each Q6_K weight then held in the
+        form the route asks for (the split form comes and goes with ``mv_q8_q6k``; turned in place,
+        one matrix at a time). A tied head keeps the embedding's blocks: splitting it would hold a
+        second copy of the table."""
+        from .layers import QLinear
+        from .routes import check_flags
+        from gguf import GGMLQuantizationType as T
+
+        self.route.flags = check_flags(self.route.name, flags)
+        for _, lin in self.named_modules():
+            if (isinstance(lin, QLinear) and lin.qtype == T.Q6_K and lin.form in ("blocks", "q6_K_split")
+                    and not (lin is self.output and self.cfg.tied_output)):
+                lin.reform(self.route.form_for(lin.qtype))
+
     def prepare_decode(self, cache: list, total: int) -> None:
         """Everything the decode path reads besides the token: planes with room for ``total``
         positions, their kernel arguments, the stacked Q/K-norm weights (made outside any trace)."""

@@ -206,3 +206,33 @@ def to_affine_hi_lo(data: mx.array, qtype: T):
     hi = (_pack_lsb(m >> 6, 8), d * 64.0, d * -4096.0, 8)
     lo = (_pack_lsb(m & 63, 6), d, mx.zeros_like(d), 6)
     return hi, lo
+
+
+# -- Q6_K blocks split for 16-byte loads (the opt-in flag mv_q8_q6k) ---------------------------
+#
+# A Q6_K block is 210 bytes (ql 128, qh 64, int8 scales 16, then the f16 d), so in a row of blocks
+# only every other block starts on a 4-byte boundary and none on a 16-byte one: a GPU lane can read
+# its quants only a few bytes at a time. The split form holds the same bytes of a matrix
+# [R, nb*210] in the same total size, rearranged: first every block's 208-byte body (ql | qh |
+# scales) in row-major block order, so each body starts on a 16-byte boundary, then every
+# block's d (2 bytes) in the same order. Block (r, j)'s body is at 208*(r*nb + j), its d at
+# 208*R*nb + 2*(r*nb + j).
+Q6_K_BODY = 208
+
+
+def split_q6_K(rows: mx.array) -> mx.array:
+    """Raw Q6_K rows ``[R, nb*210]`` -> the split form (uint8, the same shape; see above)."""
+    R, nb = rows.shape[0], rows.shape[1] // 210
+    if rows.ndim != 2 or rows.shape[1] != nb * 210:
+        raise ValueError(f"Q6_K rows must be [R, whole 210-byte blocks], got {rows.shape}")
+    b = rows.reshape(R * nb, 210)
+    return mx.concatenate([b[:, :Q6_K_BODY].reshape(-1), b[:, Q6_K_BODY:].reshape(-1)]).reshape(R, nb * 210)
+
+
+def join_q6_K(split: mx.array) -> mx.array:
+    """The split form -> raw Q6_K rows ``[R, nb*210]`` (the inverse of :func:`split_q6_K`)."""
+    R, nb = split.shape[0], split.shape[1] // 210
+    flat = split.reshape(-1)
+    bodies = flat[: R * nb * Q6_K_BODY].reshape(R * nb, Q6_K_BODY)
+    ds = flat[R * nb * Q6_K_BODY :].reshape(R * nb, 210 - Q6_K_BODY)
+    return mx.concatenate([bodies, ds], axis=1).reshape(R, nb * 210)

@@ -30,6 +30,7 @@ from .quants import FORMATS
 
 ROUTES = ("stock", "pinned")
 _KIND = {T.Q4_K: "q4_K", T.Q6_K: "q6_K"}  # the raw-block types the pinned matvecs read
+_RAW_FORMS = ("blocks", "q6_K_split")  # the forms that hold the GGUF blocks' bytes (QLinear.raw_blocks)
 
 # Opt-in fusions of the pinned route, named after the reference engine's kernels.
 PINNED_FLAGS = {
@@ -37,7 +38,10 @@ PINNED_FLAGS = {
     "ffn_4r2s": "fused Q4_K gate+up+activation kernel (ffn_q4k_gate_up_silu_4r2s): NOT exact vs llama.cpp",
     "split_norm_f16": "cross-vendor seam: every norm split into an F16 unweighted RMS and an F16 weight multiply",
     "mv_q8": "Q4_K matvecs on int8 activations (per-32 scales, as llama.cpp's CUDA q8_1) with integer dots: NOT exact, fast",
+    "mv_q8_q6k": "with mv_q8, the Q6_K matvecs too, over Q6_K blocks split at load for 16-byte loads: NOT exact",
 }
+# flags that only make sense on top of another
+FLAG_NEEDS = {"mv_q8_q6k": "mv_q8"}
 
 
 class Route:
@@ -213,6 +217,8 @@ class PinnedRoute(Route):
         self.geometry = "seeds" if cfg.arch == "muse-glimmer" else "llama"
 
     def form_for(self, qtype: T) -> str:
+        if qtype == T.Q6_K and "mv_q8_q6k" in self.flags:
+            return "q6_K_split"  # read by mul_mv_q8_pre's Q6_K lanes only
         if qtype in (T.Q4_K, T.Q6_K):
             return "blocks"
         return self._stock.form_for(qtype)
@@ -260,15 +266,18 @@ class PinnedRoute(Route):
         return self.batched is not None and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
 
     def linear(self, x, w):
-        if w.form == "blocks" and w.qtype in _KIND:
+        if w.form in _RAW_FORMS and w.qtype in _KIND:
             if self._batched(x):
                 self.count("dequant_matmul")
-                wd = kernels.dequantize_rows(w.weight, _KIND[w.qtype], self.batched)
+                wd = kernels.dequantize_rows(w.raw_blocks(), _KIND[w.qtype], self.batched)
                 xd = x.astype(wd.dtype)
                 self._commit(xd, wd)
                 y = xd @ wd.T
                 self._commit(y)
                 return y.astype(x.dtype)
+            if w.form == "q6_K_split":
+                self.count("mul_mv_q6_K_q8")
+                return kernels.mul_mv_q8(x, [(w.weight, "q6_K_split")])
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
                 self.count("mul_mv_q4_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q4_K")])
@@ -287,8 +296,8 @@ class PinnedRoute(Route):
     def project(self, x, ws):
         # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs
         # them one by one; each row gets the same bits either way).
-        if len(ws) <= 4 and not self._batched(x) and all(w.form == "blocks" and w.qtype in _KIND for w in ws):
-            mats = [(w.weight, _KIND[w.qtype]) for w in ws]
+        if len(ws) <= 4 and not self._batched(x) and all(w.form in _RAW_FORMS and w.qtype in _KIND for w in ws):
+            mats = [(w.weight, "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]) for w in ws]
             if "mv_q8" in self.flags:
                 self.count("mul_mv_q4_K_q8 (multi)")
                 return kernels.mul_mv_q8(x, mats)
@@ -362,8 +371,8 @@ class PinnedRoute(Route):
         return o * (1.0 / (1.0 + mx.exp(-g)))
 
 
-def make_route(name: str = "stock", flags=()) -> Route:
-    """Build a route by name, checking its flags."""
+def check_flags(name: str, flags) -> frozenset[str]:
+    """``flags`` as a set, if route ``name`` takes them; else a RouteError naming the problem."""
     flags = frozenset(flags or ())
     if name not in ROUTES:
         raise RouteError(f"unknown route '{name}' (choose from: {', '.join(ROUTES)})")
@@ -372,8 +381,15 @@ def make_route(name: str = "stock", flags=()) -> Route:
         raise RouteError(
             f"unknown flag(s) {', '.join(sorted(unknown))} (pinned-route flags: {', '.join(PINNED_FLAGS)})"
         )
-    if name == "stock":
-        if flags:
-            raise RouteError(f"flag(s) {', '.join(sorted(flags))} apply only to the pinned route")
-        return StockRoute()
-    return PinnedRoute(flags)
+    if name == "stock" and flags:
+        raise RouteError(f"flag(s) {', '.join(sorted(flags))} apply only to the pinned route")
+    for flag, needs in FLAG_NEEDS.items():
+        if flag in flags and needs not in flags:
+            raise RouteError(f"flag {flag} works only together with {needs}")
+    return flags
+
+
+def make_route(name: str = "stock", flags=()) -> Route:
+    """Build a route by name, checking its flags."""
+    flags = check_flags(name, flags)
+    return StockRoute() if name == "stock" else PinnedRoute(flags)

@@ -51,7 +51,8 @@ from muse_mlx import load_model, synthetic  # noqa: E402
 from muse_mlx.decode import DecodeStep  # noqa: E402
 from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E402
 from muse_mlx.layers import QLinear  # noqa: E402
-from muse_mlx.routes import PINNED_FLAGS, StockRoute  # noqa: E402
+from muse_mlx.quants import split_q6_K  # noqa: E402
+from muse_mlx.routes import FLAG_NEEDS, PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
 
@@ -224,16 +225,22 @@ Q8_PRE_SWEEP = ("1x4x8", "1x4x8x2", "2x4x8", "1x8x8", "1x2x8", "1x4x16", "1x4x16
                 "1x4x4x2", "2x4x4", "4x4x32", "2x4x32x2", "1x4x8x3")
 
 
-def q8_table(g, reps: int, rng) -> list[dict]:
+def q8_table(g, vocab: int, reps: int, rng) -> list[dict]:
     """The opt-in q8 matvecs (flag mv_q8) at the release shapes, whole calls as the route makes
     them: the exact kernel for reference, the kernel that quantizes the activations in every
-    threadgroup (``MUSE_MLX_Q8_PRE=0``), and quantize_q8 + mul_mv_q4_K_q8_pre at each geometry
+    threadgroup (``MUSE_MLX_Q8_PRE=0``), and quantize_q8 + mul_mv_q8_pre at each geometry
     of Q8_PRE_SWEEP (NR0xNSGxLPR[xU], ``MUSE_MLX_Q8_PRE=all``); then quantize_q8 alone. Sets the
     GLU's fastest pre geometry for the rest of the run (the GLU is the call that takes it)."""
     D, FF, QW, KVW = g.n_embd, g.n_ff, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
     q4 = lambda r, k: random_blocks(r, k, T.Q4_K, rng)  # noqa: E731
     gate, up, down, o = q4(FF, D), q4(FF, D), q4(D, FF), q4(D, QW)
     qkvg = [(q4(r, D), "q4_K") for r in (QW, KVW, KVW, QW)]
+    # the split Q6_K calls (flag mv_q8_q6k): ffn_down, the head, attn_v among the projections
+    q6 = lambda r, k: random_blocks(r, k, T.Q6_K, rng)  # noqa: E731
+    down6, head6, v6 = q6(D, FF), q6(vocab, D), q6(KVW, D)
+    down6s, head6s = split_q6_K(down6), split_q6_K(head6)
+    qkvg6 = [qkvg[0], qkvg[1], (split_q6_K(v6), "q6_K_split"), qkvg[3]]
+    qkvg6_exact = [qkvg[0], qkvg[1], (v6, "q6_K"), qkvg[3]]
     shapes = [  # label, K, Q8 call, exact call, bytes
         (f"ffn_gate+up {FF}x{D} silu", D, lambda y: K.mul_mv_q8(y, [(gate, "q4_K"), (up, "q4_K")], glu="silu"),
          lambda y: K.mul_mv_glu(y, gate, up, "q4_K", "silu"), gate.nbytes + up.nbytes),
@@ -242,13 +249,20 @@ def q8_table(g, reps: int, rng) -> list[dict]:
         (f"q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", D, lambda y: K.mul_mv_q8(y, qkvg), lambda y: K.mul_mv_multi(y, qkvg),
          sum(w.nbytes for w, _ in qkvg)),
         (f"attn_out {D}x{QW}", QW, lambda y: K.mul_mv_q8(y, [(o, "q4_K")]), lambda y: K.mul_mv_q4_K(y, o), o.nbytes),
+        (f"ffn_down Q6_K split {D}x{FF}", FF, lambda y: K.mul_mv_q8(y, [(down6s, "q6_K_split")]),
+         lambda y: K.mul_mv_q6_K(y, down6), down6.nbytes),
+        (f"q|k|v(Q6_K split)|gate {QW}+{KVW}+{KVW}+{QW}", D, lambda y: K.mul_mv_q8(y, qkvg6),
+         lambda y: K.mul_mv_multi(y, qkvg6_exact), sum(w.nbytes for w, _ in qkvg6)),
+        (f"head Q6_K split {vocab}x{D}", D, lambda y: K.mul_mv_q8(y, [(head6s, "q6_K_split")]),
+         lambda y: K.mul_mv_q6_K(y, head6, head=True), head6.nbytes),
     ]
     rows, total = [], {}
     for label, width, q8, exact, nbytes in shapes:
         line = []
-        variants = [("exact", exact, {}), ("q8 per-threadgroup", q8, {"MUSE_MLX_Q8_PRE": "0"})]
-        variants += [(f"pre {geo}", q8, {"MUSE_MLX_Q8_PRE": "all", "MUSE_MLX_Q8_PRE_GEOMETRY": geo})
-                     for geo in Q8_PRE_SWEEP]
+        split = "split" in label  # (these take mul_mv_q8_pre whatever MUSE_MLX_Q8_PRE says)
+        variants = [("exact", exact, {})] + ([] if split else [("q8 per-threadgroup", q8, {"MUSE_MLX_Q8_PRE": "0"})])
+        variants += [(f"pre {geo}", q8, {"MUSE_MLX_Q8_PRE": "all", "MUSE_MLX_Q8_PRE_GEOMETRY": geo,
+                                         "MUSE_MLX_Q8_PRE_GEOMETRY_FEW": geo}) for geo in Q8_PRE_SWEEP]
         for name, fn, settings in variants:
             with contextlib.ExitStack() as stack:
                 for k, v in settings.items():
@@ -268,6 +282,17 @@ def q8_table(g, reps: int, rng) -> list[dict]:
     log("  q8 totals over the shapes (us): " + ", ".join(f"{n} {v * 1e6:.1f}" for n, v in total.items()))
     log(f"  fastest pre geometry for the GLU (the call that takes it): {best[4:]}, set for this run")
     rows.append(dict(label="picked for the GLU", variant=best, us=glu[best], gbps=0.0))
+    # the calls of few rows that take it by default: the split Q6_K ffn_down and projections
+    few = {}
+    for r in rows:
+        if "split" in r["label"] and not r["label"].startswith("head") and r["variant"].startswith("pre "):
+            few[r["variant"]] = few.get(r["variant"], 0.0) + r["us"]
+    if few:
+        best_few = min(few, key=few.get)
+        os.environ["MUSE_MLX_Q8_PRE_GEOMETRY_FEW"] = best_few[4:]
+        log(f"  fastest pre geometry for the split Q6_K ffn_down + projections together: {best_few[4:]} "
+            f"({few[best_few]:.1f} us), set for this run as MUSE_MLX_Q8_PRE_GEOMETRY_FEW")
+        rows.append(dict(label="picked for the calls of few rows", variant=best_few, us=few[best_few], gbps=0.0))
     return rows
 
 
@@ -506,7 +531,7 @@ def prefill_rate(model, n: int, runs: int, rng, vocab: int, mode: str = "batched
 def flag_sets(route: str, wanted: str | None) -> list[tuple[str, ...]]:
     if route == "stock":
         return [()]
-    sets = [()] + [(f,) for f in PINNED_FLAGS]
+    sets = [()] + [(FLAG_NEEDS[f], f) if f in FLAG_NEEDS else (f,) for f in PINNED_FLAGS]
     if wanted is not None:
         sets = [tuple(s.split("+")) if s else () for s in wanted.split(",")]
     return sets
@@ -586,7 +611,7 @@ def main(argv=None) -> int:
             ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in report["dispatch_cost_s"].items()))
     if "q8" in parts:
         log("the opt-in q8 matvecs (flag mv_q8), per kernel and geometry:")
-        report["q8"] = q8_table(g, args.kernel_reps, rng)
+        report["q8"] = q8_table(g, vocab, args.kernel_reps, rng)
         mx.clear_cache()
     if "kernels" in parts:
         log("per-kernel timings (one token):")
@@ -623,7 +648,7 @@ def main(argv=None) -> int:
             f"(roofline {bw / wbytes:.0f} tok/s); peak memory {loaded_peak / 1e9:.1f} GB = "
             f"{loaded_peak / file_bytes:.2f} x file")
         for flags in flag_sets(route, args.flags):
-            model.route.flags = frozenset(flags)
+            model.set_flags(flags)
             name = route + "".join("+" + f for f in flags)
             compiles = [False] if (args.no_compile or K.backend() == "cpu" or route == "stock") else [True, False]
             entry = dict(route=name, load_s=load_s, weight_bytes=wbytes, loaded_peak_bytes=loaded_peak,
@@ -671,7 +696,7 @@ def main(argv=None) -> int:
                             f"{peak / 1e9:.1f} GB = {peak / file_bytes:.2f} x file")
                         mx.clear_cache()
             report["routes"].append(entry)
-        model.route.flags = frozenset()
+        model.set_flags(())
         del model
     report["llama_cpp_h200"] = LLAMA_CPP_H200
     if args.json:

@@ -305,7 +305,7 @@ def check_q8(rng, quick):
     """The opt-in int8-activation kernels (flag mv_q8) against their oracle (exact integer dots, then
     their float order; Q6_K rows through the exact lanes), on every Q4_K matrix shape of the release
     geometry: random valid blocks (written in seconds, where quantizing takes minutes). The GLU (and,
-    with MUSE_MLX_Q8_PRE=all, every all-Q4_K call) takes quantize_q8 + mul_mv_q4_K_q8_pre, whose lanes
+    with MUSE_MLX_Q8_PRE=all, every all-Q4_K call) takes quantize_q8 + mul_mv_q8_pre, whose lanes
     per row (LPR) fix the bits: checked at the default geometry and at others (LPR 32 must give the
     per-threadgroup kernel's bits); the rest takes mul_mv_q4_K_q8_multi."""
     D, ff = (6656, 19968) if not quick else (512, 768)  # (768: an odd number of blocks per row)
@@ -337,21 +337,22 @@ def check_q8(rng, quick):
         rows, k, sel = w.shape[0], y.shape[-1], some_rows(w.shape[0])
         with env("MUSE_MLX_Q8_PRE", "all"):
             got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
-        compare("mul_mv_q4_K_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {geo}", got[..., sel], oracle(y, w[sel]),
-                note=f"{sel.size} rows")
+        g = mul_mv.q8_pre_geometry(WHICH, mul_mv.q8_call(rows, False))  # not the GLU: its own class
+        compare("mul_mv_q8_pre (opt-in mv_q8)", f"{rows}x{k} at {'x'.join(map(str, g))}", got[..., sel],
+                oracle(y, w[sel], g[2]), note=f"{sel.size} rows")
         got = gpu(K.mul_mv_q8, y, [(w, "q4_K")])
         compare("mul_mv_q4_K_q8_multi (opt-in mv_q8)", f"{rows}x{k}", got[..., sel], oracle(y, w[sel], 32),
                 note=f"{sel.size} rows")
     sel = some_rows(ff)
     got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
     want = ffn.silu_oracle(oracle(x, wq[sel]), oracle(x, wq2[sel]), exp=probe("exp"))
-    compare("mul_mv_q4_K_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {geo}", got[..., sel], want, note="device exp")
+    compare("mul_mv_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {geo}", got[..., sel], want, note="device exp")
     for other in ("2x4x8x2", "1x4x16", "4x4x32", "1x4x4x3"):  # other geometries: their LPR's bits
-        with env("MUSE_MLX_Q8_PRE_GEOMETRY", other):
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", other), env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", other):
             got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
         n = int(other.split("x")[2])
         want = ffn.silu_oracle(oracle(x, wq[sel], n), oracle(x, wq2[sel], n), exp=probe("exp"))
-        compare("mul_mv_q4_K_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {other}", got[..., sel], want,
+        compare("mul_mv_q8_pre glu (opt-in mv_q8)", f"{ff}x{D} silu at {other}", got[..., sel], want,
                 note="device exp")
     with env("MUSE_MLX_Q8_PRE", "0"):  # the per-threadgroup kernel: 32 lanes per row
         got = gpu(K.mul_mv_q8, x, [(wq, "q4_K"), (wq2, "q4_K")], glu="silu")
@@ -360,12 +361,49 @@ def check_q8(rng, quick):
     q4 = [random_blocks(r, D, T.Q4_K, rng) for r in (qw, kvw, kvw, qw)]
     with env("MUSE_MLX_Q8_PRE", "all"):
         got = gpu(K.mul_mv_q8, x, [(w, "q4_K") for w in q4])
-    compare("mul_mv_q4_K_q8_pre multi (opt-in mv_q8)", f"q,k,v,gate x {D} at {geo}", got,
-            mx.concatenate([oracle(x, w) for w in q4], -1))
+    g = mul_mv.q8_pre_geometry(WHICH, mul_mv.q8_call(sum(w.shape[0] for w in q4), False))
+    compare("mul_mv_q8_pre multi (opt-in mv_q8)", f"q,k,v,gate x {D} at {'x'.join(map(str, g))}", got,
+            mx.concatenate([oracle(x, w, g[2]) for w in q4], -1))
     ws = [(q4[0], "q4_K"), (q4[1], "q4_K"), (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (q4[3], "q4_K")]
     got = gpu(K.mul_mv_q8, x, ws)
     want = mx.concatenate([oracle(x, w, 32) if k == "q4_K" else mul_mv.ORACLES[k](x, w) for w, k in ws], -1)
     compare("mul_mv_q4_K_q8_multi multi (opt-in mv_q8)", f"q,k,v(Q6_K),gate x {D}", got, want)
+
+
+def check_q8_q6k(rng, quick):
+    """The opt-in flag mv_q8_q6k: mul_mv_q8_pre's split Q6_K lanes against their oracle (exact
+    integer dots, then their float order), on the release geometry's Q6_K shapes: ffn_down, the
+    vocabulary head, and attn_v inside the q|k|v|gate call beside Q4_K matrices; at the default
+    geometry and at others (the lanes per row, LPR, fix the bits). Random valid blocks, split on
+    the device as the loader splits them; each oracle takes the same rows split alone."""
+    from muse_mlx.quants import split_q6_K
+
+    D, ff, vocab = (6656, 19968, 202048) if not quick else (512, 768, 1000)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h = randn(rng, 1, D), randn(rng, 1, ff)
+    geo = lambda call: mul_mv.q8_pre_geometry(WHICH, call)  # noqa: E731
+    oracle = lambda y, raw, n: mul_mv.mul_mv_q6_K_q8_oracle(y, split_q6_K(raw), n)  # noqa: E731
+    for name, raw, y in (("ffn_down", random_blocks(D, ff, T.Q6_K, rng), h),
+                         ("head", random_blocks(vocab, D, T.Q6_K, rng), x)):
+        sp, sel = split_q6_K(raw), some_rows(raw.shape[0])
+        call = mul_mv.q8_call(raw.shape[0], False)  # "few" and "many" at full size
+        got = gpu(K.mul_mv_q8, y, [(sp, "q6_K_split")])
+        compare("mul_mv_q8_pre Q6_K split (opt-in mv_q8_q6k)",
+                f"{name} {raw.shape[0]}x{y.shape[-1]} at {'x'.join(map(str, geo(call)))}",
+                got[..., sel], oracle(y, raw[sel], geo(call)[2]), note=f"{sel.size} rows")
+        for other in ("2x4x8x2", "1x4x16", "4x4x32", "1x4x4x3"):
+            with env("MUSE_MLX_Q8_PRE_GEOMETRY", other), env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", other):
+                got = gpu(K.mul_mv_q8, y, [(sp, "q6_K_split")])
+            compare("mul_mv_q8_pre Q6_K split (opt-in mv_q8_q6k)", f"{name} at {other}", got[..., sel],
+                    oracle(y, raw[sel], int(other.split("x")[2])), note=f"{sel.size} rows")
+        del sp, raw
+    q4 = [random_blocks(r, D, T.Q4_K, rng) for r in (qw, kvw, qw)]
+    v = random_blocks(kvw, D, T.Q6_K, rng)
+    got = gpu(K.mul_mv_q8, x, [(q4[0], "q4_K"), (q4[1], "q4_K"), (split_q6_K(v), "q6_K_split"), (q4[2], "q4_K")])
+    g = geo(mul_mv.q8_call(2 * qw + 2 * kvw, False))
+    want = [mul_mv.mul_mv_q4_K_q8_oracle(x, w, g[2]) for w in q4]
+    compare("mul_mv_q8_pre multi (opt-in mv_q8_q6k)", f"q,k,v(Q6_K split),gate x {D} at {'x'.join(map(str, g))}",
+            got, mx.concatenate(want[:2] + [oracle(x, v, g[2])] + want[2:], -1))
 
 
 def edge_activations(rng, k):
@@ -568,7 +606,7 @@ def transcendental_ulps(rng, quick=False):
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
-                glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8,
+                glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8, q8_q6k=check_q8_q6k,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

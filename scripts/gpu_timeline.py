@@ -474,7 +474,7 @@ def main(argv=None) -> int:
     cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
              for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_values]
     for flags, g, ctx, env_value in cases:
-        model.route.flags = frozenset(flags)
+        model.set_flags(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
         with env(env_name, env_value) if env_name is not None else contextlib.nullcontext():

@@ -394,7 +394,13 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
-    for g in q8_pre_geoms:  # the GLU (and, forced, the rest): activations quantized once, then mul_mv_q4_K_q8_pre
+    q6s = lambda r, k: zeros_rows(r, k, "q6_K")  # noqa: E731  (the split form has the raw form's shape)
+    for g in q8_pre_geoms:  # the GLU (and, forced, the rest): activations quantized once, then mul_mv_q8_pre
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g):  # the split Q6_K matrices (flag mv_q8_q6k) take it anyway
+            rec(f"q8 Q6_K split ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q6s(D, FF), "q6_K_split")])
+            rec(f"q8 Q6_K split head {VOCAB}x{D}", K.mul_mv_q8, y_d, [(q6s(VOCAB, D), "q6_K_split")])
+            rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6 split)+{QW}", K.mul_mv_q8, y_d,
+                [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6s(KVW, D), "q6_K_split"), (q4(QW, D), "q4_K")])
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g), env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", K.mul_mv_q8, y_d,
@@ -532,7 +538,7 @@ def main(argv=None) -> int:
     ap.add_argument("--geometry", help="Q4_K geometries NR0xNSG[xU[xP]], comma-separated (default: CUDA tuned)")
     ap.add_argument("--geometry-q6k", help="Q6_K geometries, comma-separated (default: CUDA tuned)")
     ap.add_argument("--q8-geometry", help="q8 kernel geometries NR0xNSG, comma-separated (default: CUDA's)")
-    ap.add_argument("--q8-pre-geometry", help="mul_mv_q4_K_q8_pre geometries NR0xNSGxLPR, comma-separated "
+    ap.add_argument("--q8-pre-geometry", help="mul_mv_q8_pre geometries NR0xNSGxLPR, comma-separated "
                                               "(default: CUDA's)")
     ap.add_argument("--sweep", action="store_true", help=f"Q4_K geometries {','.join(SWEEP)}")
     ap.add_argument("--matvec-only", action="store_true", help="skip the norm, elementwise and attention kernels")

@@ -46,20 +46,29 @@ def test_bench_reports_every_route_and_flag(tmp_path):
 
 
 def test_bench_q8_part_times_every_call_and_variant(tmp_path, monkeypatch):
-    """--parts q8: every call (GLU, ffn_down, the projections, attn_output) at every variant, and
-    the GLU's fastest geometry of the new kernel set for the rest of the run."""
-    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "1x4x8")  # recorded, so the run's own setting is undone
-    monkeypatch.delenv("MUSE_MLX_Q8_PRE_GEOMETRY")
+    """--parts q8: every call (GLU, ffn_down, the projections, attn_output, and with the split Q6_K
+    matrices of mv_q8_q6k ffn_down, the projections and the head) at every variant, the GLU's
+    fastest geometry of the new kernel set for the rest of the run, and the fastest over the split
+    ffn_down and projections as the geometry of the calls of few rows."""
+    for name in ("MUSE_MLX_Q8_PRE_GEOMETRY", "MUSE_MLX_Q8_PRE_GEOMETRY_FEW"):
+        monkeypatch.setenv(name, "1x4x8")  # recorded, so the run's own setting is undone
+        monkeypatch.delenv(name)
     out = tmp_path / "q8.json"
     assert bench.main(["--tiny", "--parts", "q8", "--kernel-reps", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["q8"]
-    variants = ["exact", "q8 per-threadgroup"] + [f"pre {g}" for g in bench.Q8_PRE_SWEEP]
+    pre = [f"pre {g}" for g in bench.Q8_PRE_SWEEP]
     labels = [r["label"] for r in rows if r["variant"] == "exact"]
-    assert len(labels) == 4 and labels[0].startswith("ffn_gate+up")
+    assert len(labels) == 7 and labels[0].startswith("ffn_gate+up")
+    assert [lb for lb in labels if "split" in lb] == labels[4:]
     for label in labels:
-        assert [r["variant"] for r in rows if r["label"] == label] == variants
+        want = ["exact"] + ([] if "split" in label else ["q8 per-threadgroup"]) + pre
+        assert [r["variant"] for r in rows if r["label"] == label] == want
         assert all(r["us"] > 0 and r["gbps"] > 0 for r in rows if r["label"] == label)
     picked = [r for r in rows if r["label"] == "picked for the GLU"][0]["variant"]
     glu = {r["variant"]: r["us"] for r in rows if r["label"] == labels[0] and r["variant"].startswith("pre ")}
     assert picked == min(glu, key=glu.get)
+    few = {v: sum(r["us"] for r in rows if r["label"] in labels[4:6] and r["variant"] == v) for v in pre}
+    picked_few = [r for r in rows if r["label"] == "picked for the calls of few rows"][0]["variant"]
+    assert picked_few == min(few, key=few.get)
+    assert os.environ["MUSE_MLX_Q8_PRE_GEOMETRY_FEW"] == picked_few[4:]
     assert os.environ["MUSE_MLX_Q8_PRE_GEOMETRY"] == picked[4:]

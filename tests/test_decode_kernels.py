@@ -271,6 +271,24 @@ def test_q8_matvec_oracle_error_is_the_activation_quantization():
     assert np.abs(got - ref).max() > 1e-3 * np.abs(ref).max()
 
 
+def test_q6_K_q8_oracle_is_the_quantized_activations_product():
+    """The split Q6_K q8 oracle (flag mv_q8_q6k) computes the float64 product of the int8-rounded
+    activations (q * d) with gguf-py's dequantized rows, to float32 rounding (its integer dots are
+    exact; 1e-6 of sum |terms| bounds its ~100 roundings generously); and, like the Q4_K one, it is
+    off the exact product by no more than the activation rounding allows."""
+    from muse_mlx.quants import split_q6_K
+
+    raw, y = qrows(29, 768, "q6_K"), arr(3, 768)
+    W = gguf_dequantize(np.array(raw), T.Q6_K).reshape(29, 768).astype(np.float64)
+    q, d, _ = mul_mv.quantize_q8(y)
+    yq = (np.array(q) * np.array(d, np.float64)[..., None]).reshape(3, 768)
+    got = np.array(mul_mv.mul_mv_q6_K_q8_oracle(y, split_q6_K(raw), 4), np.float64)
+    assert np.all(np.abs(got - yq @ W.T) <= 1e-6 * (np.abs(yq) @ np.abs(W).T))
+    y64 = np.array(y, np.float64)
+    half_step = np.repeat(np.abs(y64).reshape(3, -1, 32).max(axis=-1) / 127.0 / 2, 32, axis=-1)
+    assert np.all(np.abs(got - y64 @ W.T) <= half_step @ np.abs(W).T + 1e-5 * (np.abs(y64) @ np.abs(W).T))
+
+
 def test_q8_quantization_rounds_half_away_from_zero():
     y = mx.array(np.array([[127.0, 63.5, -63.5, 0.5 * 127 / 127, -1.0] + [0.0] * 27], F32))
     q, d, s = mul_mv.quantize_q8(y)
@@ -316,6 +334,33 @@ def test_q8_kernel(rows, k, t, monkeypatch):
     glu = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")], glu="silu")
     assert_bits_equal(glu, ffn.silu_oracle(mul_mv.mul_mv_q4_K_q8_oracle(y, a), mul_mv.mul_mv_q4_K_q8_oracle(y, c),
                                            exp=libm("expf")))
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["2x4x4x1", "1x4x8x2", "4x2x32x3"])
+def test_q8_pre_kernel_on_split_Q6_K(geometry, monkeypatch):
+    """mul_mv_q8_pre's split Q6_K lanes (flag mv_q8_q6k), bit for bit against their oracle at the
+    geometry's lanes per row: a Q6_K matrix alone (3 blocks a row, rows not a whole number of
+    SIMD groups, two tokens), and beside Q4_K ones in one call (the q|k|v|gate shape)."""
+    from muse_mlx.quants import split_q6_K
+
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
+    lanes = int(geometry.split("x")[2])
+    y = arr(2, 768)
+    v, a, c = split_q6_K(qrows(21, 768, "q6_K")), qrows(37, 768, "q4_K"), qrows(8, 768, "q4_K")
+    assert_bits_equal(emulate_recorded(K.mul_mv_q8, y, [(v, "q6_K_split")]), mul_mv.mul_mv_q6_K_q8_oracle(y, v, lanes))
+    got = emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K"), (v, "q6_K_split"), (a, "q4_K")])
+    want = [mul_mv.mul_mv_q4_K_q8_oracle(y, a, lanes), mul_mv.mul_mv_q4_K_q8_oracle(y, c, lanes),
+            mul_mv.mul_mv_q6_K_q8_oracle(y, v, lanes), mul_mv.mul_mv_q4_K_q8_oracle(y, a, lanes)]
+    assert_bits_equal(got, mx.concatenate(want, axis=-1))
+
+
+def test_q8_calls_take_Q6_K_all_split_or_none():
+    from muse_mlx.quants import split_q6_K
+
+    raw = qrows(4, 256, "q6_K")
+    with pytest.raises(ValueError, match="all split or none"):
+        K.mul_mv_q8(arr(1, 256), [(raw, "q6_K"), (split_q6_K(raw), "q6_K_split")], which="cpu")
 
 
 def test_q8_pre_switch_is_checked(monkeypatch):

@@ -145,6 +145,8 @@ def test_unknown_route_and_flags():
         make_route("pinned", ["turbo"])
     with pytest.raises(RouteError, match="apply only to the pinned route"):
         make_route("stock", ["tail_32sg"])
+    with pytest.raises(RouteError, match="mv_q8_q6k works only together with mv_q8"):
+        make_route("pinned", ["mv_q8_q6k"])
 
 
 def test_missing_tokenizer(tmp_path):

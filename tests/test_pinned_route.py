@@ -63,6 +63,46 @@ def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
     assert "q8" not in model.route._forms  # taken by the GLU
 
 
+def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny):
+    """mv_q8_q6k holds every untied Q6_K matrix split and runs it through the q8 kernel: the logits
+    move by about what mv_q8 moves them, every Q6_K matvec of a decoded token (ffn_down, head,
+    attn_v among the projections) is a q8 one, and the split weights dequantize to the blocks'
+    values. Switching the flags on the loaded model (Model.set_flags) turns the forms back and forth:
+    without the flag it is the exact route again, bit for bit, and with it, the model loaded with it."""
+    from muse_mlx.layers import QLinear
+    from muse_mlx.routes import RouteError
+
+    path = tiny("muse-glimmer")
+    exact_model = load_model(path, "pinned")
+    base, q8 = logits(exact_model), logits(load_model(path, "pinned", ["mv_q8"]))
+    model = load_model(path, "pinned", ["mv_q8", "mv_q8_q6k"])
+    q6 = {name: m for name, m in model.named_modules() if isinstance(m, QLinear) and m.qtype == T.Q6_K}
+    assert q6 and all(m.form == "q6_K_split" for m in q6.values())
+    exact = dict(exact_model.named_modules())
+    for name, m in q6.items():
+        np.testing.assert_array_equal(np.array(m.dequantized()), np.array(exact[name].dequantized()))
+    both = logits(model)
+    assert 1e-4 < np.abs(both - q8).max() < 0.1 * base.std()
+    assert (both.argmax(-1) == base.argmax(-1)).mean() >= 0.75
+    model.kv_dtype = mx.float16
+    cache = model.make_cache()
+    model(mx.array([TOKENS[:5]]), cache)
+    model.route.dispatches.clear()
+    model(mx.array([[7]]), cache)
+    d = model.route.dispatches
+    # one q8 call each, but for those among the projections (one call per layer for all of them)
+    alone = [n for n in q6 if n.rsplit(".", 1)[-1] not in ("attn_q", "attn_k", "attn_v", "attn_gate")]
+    assert "output" in alone and d["mul_mv_q6_K_q8"] == len(alone)
+    assert d["mul_mv_q4_K_q8 (multi)"] == model.cfg.n_layer and d["mul_mv_q6_K_f32"] == 0
+    model.set_flags(())
+    assert all(m.form == "blocks" for m in q6.values())
+    np.testing.assert_array_equal(logits(model).view(np.uint64), base.view(np.uint64))
+    model.set_flags(["mv_q8", "mv_q8_q6k"])
+    np.testing.assert_array_equal(logits(model).view(np.uint64), both.view(np.uint64))
+    with pytest.raises(RouteError, match="mv_q8_q6k works only together with mv_q8"):
+        model.set_flags(["mv_q8_q6k"])
+
+
 def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
     """MUSE_MLX_Q8_TAIL=0 quantizes the GLU's input in a dispatch of its own (quantize_q8), the
     default in the tail before it: a dispatch fewer, the same decoded logits. On the CPU both run

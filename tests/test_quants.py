@@ -176,3 +176,24 @@ def test_quantizers_round_trip_within_their_resolution(qtype, bound):
     back = gguf_dequantize(quantize(x, qtype), qtype).reshape(16, 512)
     rel = np.abs(back - x).max(axis=1) / np.abs(x).max(axis=1)
     assert rel.max() < bound
+
+
+def test_q6_k_split_form_holds_the_same_bytes():
+    """The split form (flag mv_q8_q6k): the same bytes, every 208-byte body first (16-byte aligned),
+    then the d's; joining it gives the raw rows back."""
+    from muse_mlx.quants import join_q6_K, split_q6_K
+
+    raw = np.random.default_rng(5).integers(0, 256, (3, 2 * 210), dtype=np.uint8)
+    raw.reshape(6, 210)[:, 208:] = np.frombuffer(np.float16([0.5] * 6).tobytes(), np.uint8).reshape(6, 2)
+    sp = np.array(split_q6_K(mx.array(raw)))
+    assert sp.shape == raw.shape
+    flat = sp.reshape(-1)
+    for r in range(3):
+        for j in range(2):
+            blk = raw[r, 210 * j : 210 * (j + 1)]
+            n = 2 * r + j
+            assert np.array_equal(flat[208 * n : 208 * (n + 1)], blk[:208])
+            assert np.array_equal(flat[208 * 6 + 2 * n : 208 * 6 + 2 * n + 2], blk[208:])
+    assert np.array_equal(np.array(join_q6_K(mx.array(sp))), raw)
+    with pytest.raises(ValueError, match="whole 210-byte blocks"):
+        split_q6_K(mx.array(raw[:, :300]))

@@ -462,6 +462,57 @@ MUSE_FN float q4K_q8_run(uint4 hd, uint4 qa, uint4 qb, uint tq, int4 y0, int4 y1
     return sumf;
 }
 
+// The four sums of sixteen int8 activations (y0..y3, four words each): exact integers.
+MUSE_FN int4 q8_sums16(int4 y0, int4 y1, int4 y2, int4 y3) {
+    const uint ones = 0x01010101u;
+    int4 s;
+    s.x = dot4_i8(ones, y0.w, dot4_i8(ones, y0.z, dot4_i8(ones, y0.y, dot4_i8(ones, y0.x, 0))));
+    s.y = dot4_i8(ones, y1.w, dot4_i8(ones, y1.z, dot4_i8(ones, y1.y, dot4_i8(ones, y1.x, 0))));
+    s.z = dot4_i8(ones, y2.w, dot4_i8(ones, y2.z, dot4_i8(ones, y2.y, dot4_i8(ones, y2.x, 0))));
+    s.w = dot4_i8(ones, y3.w, dot4_i8(ones, y3.z, dot4_i8(ones, y3.y, dot4_i8(ones, y3.x, 0))));
+    return s;
+}
+
+// Byte b of w as a signed integer (an int8 scale).
+MUSE_FN int sbyte(uint w, uint b) {
+    return int(w << (24u - 8u * b)) >> 24;
+}
+
+// The dot products of four bytes of each of a split Q6_K run's four groups (q6K_q8_run): a, b the
+// ql words, hb the qh word of values l .. l+3 of the run, y0..y3 the groups' activation words.
+MUSE_FN void q6K_q8_word(uint a, uint b, uint hb, int y0, int y1, int y2, int y3, thread int& i0,
+                         thread int& i1, thread int& i2, thread int& i3) {
+    i0 = dot4_i8((a & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u), y0, i0);
+    i1 = dot4_i8((b & 0x0F0F0F0Fu) | ((hb << 2) & 0x30303030u), y1, i1);
+    i2 = dot4_i8(((a >> 4) & 0x0F0F0F0Fu) | (hb & 0x30303030u), y2, i2);
+    i3 = dot4_i8(((b >> 4) & 0x0F0F0F0Fu) | ((hb >> 2) & 0x30303030u), y3, i3);
+}
+
+// One run of a split Q6_K block against int8 activations: run (h, s) holds the values
+// 128h + 32k + 16s + l, l = 0..15, of the four groups of 32 k = 0..3 (ggml's order: the code of
+// value 128h + 32k + l is the low (k < 2) or high nibble of ql[64h + 32(k%2) + l] with bits 2k,
+// 2k+1 of qh[32h + l] above it; its scale is scales[8h + 2k + l/16]). qa = ql[64h + 16s ..],
+// qb = ql[64h + 32 + 16s ..], qh = qh[32h + 16s ..], sw = scales[8h .. 8h+7]; yk the 16 int8
+// activations of group k, ysum their sums, dy the groups' scales. Per group an exact integer
+// t = sc * (sum code*q - 32 * sum q), then acc = fma(dy_k, t, acc) in k order, sumf = fma(d, acc, sumf).
+MUSE_FN float q6K_q8_run(uint4 qa, uint4 qb, uint4 qh, uint2 sw, uint s, float d, int4 y0, int4 y1,
+                         int4 y2, int4 y3, int4 ysum, float4 dy, float sumf) {
+    int i0 = 0, i1 = 0, i2 = 0, i3 = 0;
+    q6K_q8_word(qa.x, qb.x, qh.x, y0.x, y1.x, y2.x, y3.x, i0, i1, i2, i3);
+    q6K_q8_word(qa.y, qb.y, qh.y, y0.y, y1.y, y2.y, y3.y, i0, i1, i2, i3);
+    q6K_q8_word(qa.z, qb.z, qh.z, y0.z, y1.z, y2.z, y3.z, i0, i1, i2, i3);
+    q6K_q8_word(qa.w, qb.w, qh.w, y0.w, y1.w, y2.w, y3.w, i0, i1, i2, i3);
+    const int t0 = sbyte(sw.x, s) * (i0 - 32 * ysum.x);
+    const int t1 = sbyte(sw.x, s + 2u) * (i1 - 32 * ysum.y);
+    const int t2 = sbyte(sw.y, s) * (i2 - 32 * ysum.z);
+    const int t3 = sbyte(sw.y, s + 2u) * (i3 - 32 * ysum.w);
+    float acc = dy.x * float(t0);
+    acc = fma(dy.y, float(t1), acc);
+    acc = fma(dy.z, float(t2), acc);
+    acc = fma(dy.w, float(t3), acc);
+    return fma(d, acc, sumf);
+}
+
 // The xor butterfly over each aligned group of W lanes (offsets W/2, ..., 1): simd_sum's order
 // within the group (W = 32 is simd_sum), every lane of a group ending with the group's total.
 template <int W>
@@ -729,14 +780,15 @@ MUSE_FN float lane_group_sum(float v) {
     ds[2 * (ulong)g] = d;
     ds[2 * (ulong)g + 1] = float(sum);
 
-// ==== kernel: mul_mv_q4_K_q8_pre
+// ==== kernel: mul_mv_q8_pre
 // OPT-IN, NOT EXACT (flag mv_q8): mul_mv_q4_K_q8_multi's arithmetic on activations that
 // quantize_q8 wrote once (no per-threadgroup quantization, no threadgroup memory, no barrier),
-// for up to four Q4_K matrices or (GLU 1) gate and up. A SIMD group is 32/LPR groups of LPR
-// lanes; lane group i takes NR0 rows, lane l of it the runs p = l, l+LPR, ... of each (LPR a
-// multiple of 4, so a lane's sub-block pair 2(p%4), 2(p%4)+1 is fixed), then a butterfly over
-// the LPR lanes (lane_group_sum). LPR = 32 is mul_mv_q4_K_q8_multi's order and bits. The loads
-// of U runs are issued before their arithmetic (U does not change the bits).
+// for up to four matrices (Y 0 Q4_K; Y 2 Q6_K in the split form, flag mv_q8_q6k: q6K_q8_run) or
+// (GLU 1) Q4_K gate and up. A SIMD group is 32/LPR groups of LPR lanes; lane group i takes NR0
+// rows, lane l of it the runs p = l, l+LPR, ... of each (four runs of 64 values per block; LPR a
+// multiple of 4, so a lane's run within a block, p%4, is fixed), then a butterfly over the LPR
+// lanes (lane_group_sum). LPR = 32 is mul_mv_q4_K_q8_multi's order and bits. The loads of U runs
+// are issued before their arithmetic (U does not change the bits).
 // inputs: w0..w3, qy [T, K/4], ds [T, K/16]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
 // grid (sum_i ceil(Ri/(NR0*NSG*32/LPR))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -750,32 +802,73 @@ MUSE_FN float lane_group_sum(float v) {
     const uint g2 = (R2 + per_tg - 1) / per_tg;
     uint tg = threadgroup_position_in_grid.x;
     device const uchar* w = w0;
-    uint rows = R0, out0 = 0;
+    uint rows = R0, out0 = 0, type = Y0;
     if (GLU == 0) {
         if (tg >= g0 + g1 + g2) {
-            tg -= g0 + g1 + g2; w = w3; rows = R3; out0 = R0 + R1 + R2;
+            tg -= g0 + g1 + g2; w = w3; rows = R3; out0 = R0 + R1 + R2; type = Y3;
         } else if (tg >= g0 + g1) {
-            tg -= g0 + g1; w = w2; rows = R2; out0 = R0 + R1;
+            tg -= g0 + g1; w = w2; rows = R2; out0 = R0 + R1; type = Y2;
         } else if (tg >= g0) {
-            tg -= g0; w = w1; rows = R1; out0 = R0;
+            tg -= g0; w = w1; rows = R1; out0 = R0; type = Y1;
         }
     }
     const uint sg_row = (tg * NSG + sgitg) * per_sg;
     if (sg_row >= rows) return;  // the whole SIMD group: its butterflies need all 32 lanes
     const uint first_row = sg_row + gi * NR0;
     const uint nb = K / 256;
+    device const int4* yq4 = (device const int4*)qy + (ulong)t * (K / 16);
+    device const float4* ds4 = (device const float4*)ds + (ulong)t * (K / 64);
+    const uint tq = li % 4;
+    float sumf[2 * NR0];
+    if (type == 2) {
+        // Q6_K, split: row rr's block bodies at 208*(rr*nb + j), its d's after all rows' bodies
+        const uint h = tq / 2, s = tq % 2;  // the run: values 128h + 32k + 16s + (0..15), k = 0..3
+        device const uchar* body[NR0];
+        device const half* dd[NR0];
+        for (int r = 0; r < NR0; ++r) {
+            const uint rr = min(first_row + uint(r), rows - 1u);
+            body[r] = w + (ulong)rr * nb * 208u + 64u * h + 16u * s;
+            dd[r] = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)rr * nb;
+            sumf[r] = 0.0f;
+        }
+        for (uint p0 = li; p0 < nb * 4; p0 += LPR * U) {
+            int4 yv[U][4];
+            float4 e0[U], e1[U];
+            uint4 qa[U][NR0], qb[U][NR0], qh[U][NR0];
+            uint2 sw[U][NR0];
+            half dh[U][NR0];
+            for (int u = 0; u < U; ++u) {
+                const uint b = min((p0 + u * LPR) / 4, nb - 1u);  // a run past the row: loaded, not added
+                for (int k = 0; k < 4; ++k) yv[u][k] = yq4[16 * b + 8 * h + 2 * k + s];
+                e0[u] = ds4[4 * b + 2 * h];      // (d, sum) of groups 8b+4h and 8b+4h+1
+                e1[u] = ds4[4 * b + 2 * h + 1];  // ... and of 8b+4h+2, 8b+4h+3
+                for (int r = 0; r < NR0; ++r) {
+                    device const uchar* q = body[r] + (ulong)b * 208u;
+                    qa[u][r] = *(device const uint4*)q;                            // ql[64h + 16s ..]
+                    qb[u][r] = *(device const uint4*)(q + 32);                     // ql[64h + 32 + 16s ..]
+                    qh[u][r] = *(device const uint4*)(q + 128 - 32 * h);           // qh[32h + 16s ..]
+                    sw[u][r] = *(device const uint2*)(q + 192 - 56 * h - 16 * s);  // scales[8h .. 8h+7]
+                    dh[u][r] = dd[r][b];
+                }
+            }
+            for (int u = 0; u < U; ++u) {
+                if (p0 + u * LPR >= nb * 4) break;
+                const int4 ysum = q8_sums16(yv[u][0], yv[u][1], yv[u][2], yv[u][3]);
+                const float4 dy = {e0[u].x, e0[u].z, e1[u].x, e1[u].z};
+                for (int r = 0; r < NR0; ++r)
+                    sumf[r] = q6K_q8_run(qa[u][r], qb[u][r], qh[u][r], sw[u][r], s, float(dh[u][r]),
+                                         yv[u][0], yv[u][1], yv[u][2], yv[u][3], ysum, dy, sumf[r]);
+            }
+        }
+    } else {
     const uint row_bytes = nb * 144u;
     device const uchar* rp[2 * NR0];
-    float sumf[2 * NR0];
     for (int r = 0; r < 2 * NR0; ++r) {
         device const uchar* m = (GLU == 1 && r >= NR0) ? w1 : w;
         const uint rr = min(first_row + uint(r % NR0), rows - 1u);
         rp[r] = m + (ulong)rr * row_bytes;
         sumf[r] = 0.0f;
     }
-    device const int4* yq4 = (device const int4*)qy + (ulong)t * (K / 16);
-    device const float4* ds4 = (device const float4*)ds + (ulong)t * (K / 64);
-    const uint tq = li % 4;
     const uint nrows = (GLU == 1 ? 2 : 1) * NR0;
     // U runs per iteration (p, p+LPR, ...), every load of all of them first; added in run order
     for (uint p0 = li; p0 < nb * 4; p0 += LPR * U) {
@@ -800,6 +893,7 @@ MUSE_FN float lane_group_sum(float v) {
                 sumf[r] = q4K_q8_run(hdr[u][r], qar[u][r], qbr[u][r], tq, yv[u][0], yv[u][1], yv[u][2], yv[u][3],
                                      e[u].x, e[u].y, e[u].z, e[u].w, sumf[r]);
         }
+    }
     }
     if (GLU == 1) {
         for (int r = 0; r < NR0; ++r) {

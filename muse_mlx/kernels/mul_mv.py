@@ -347,7 +347,7 @@ _DEQ = {dt: Kernel("mul_mv", f"dequant_{name}", ["w", "count"], ["out"])
         for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
 _DEQ_AT = Kernel("mul_mv", "dequant_at_f32", ["w", "tokens", "count"], ["out"])
 KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, *_DEQ.values(), _DEQ_AT)
-BLOCK_BYTES = {"q4_K": 144, "q6_K": 210}
+BLOCK_BYTES = {"q4_K": 144, "q6_K": 210, "q6_K_split": 210}
 TYPE_CODE = {"q4_K": 0, "q6_K": 1}
 
 
@@ -506,13 +506,45 @@ def mul_mv_q4_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
         return fp.simd_sum(fp.running_sum(seq, axis=-1), lanes).reshape(*y.shape[:-1], R)
 
 
+def mul_mv_q6_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
+    """The split Q6_K rows ``w`` (:func:`~muse_mlx.quants.split_q6_K`) against int8 activations, in
+    ``q6K_q8_run``'s order: per run (four per block: values 128h + 32k + 16s + 0..15, k = 0..3) and
+    group k an exact integer ``t = sc * sum((code - 32) * q)``, then ``acc = dy_0 * t_0``,
+    ``acc = fma(dy_k, t_k, acc)``, ``sumf = fma(d, acc, sumf)``; lane l of a row's ``lanes`` takes
+    the runs l, l+lanes, ... in order; then the butterfly over those lanes."""
+    from ..quants import _q6_k_codes, join_q6_K
+
+    R, nb = w.shape[0], w.shape[1] // 210
+    K = nb * 256
+    y2 = _flat(y, K)
+    T = y2.shape[0]
+    with mx.stream(CPU):
+        q, dy, _ = quantize_q8(y2)  # [T, nb*8, 32], [T, nb*8]
+        d, sc, codes = _q6_k_codes(join_q6_K(w).reshape(R, nb, 210))  # [R, nb], [R, nb, 16], [R, nb, 16, 16]
+        # per 16 values (g = 8h + 2k + s, the scale's index): the exact integer sc_g * sum(code * q)
+        qy = q.reshape(T, 1, nb, 16, 16)
+        dots = (codes.astype(mx.float64)[None] * qy).sum(axis=-1)  # [T, R, nb, 16], exact
+        t = (dots * sc.astype(mx.float64)[None]).astype(F32).reshape(T, R, nb, 2, 4, 2)  # [.., h, k, s]
+        dyk = dy.reshape(T, 1, nb, 2, 4, 1)  # group 8b + 4h + k
+        acc = dyk[..., 0, :] * t[..., 0, :]
+        for k in range(1, 4):
+            acc = fp.fma(dyk[..., k, :], t[..., k, :], acc)  # [T, R, nb, h, s]: run p = 4b + 2h + s
+        runs = acc.reshape(T, R, nb * 4)
+        dr = mx.broadcast_to(mx.repeat(d, 4, axis=-1)[None], runs.shape)
+        runs, dr = (fp.pad_axis(v, 2, lanes).reshape(T, R, -1, lanes) for v in (runs, dr))
+        sumf = mx.zeros((T, R, lanes), F32)
+        for j in range(runs.shape[2]):
+            sumf = fp.fma(dr[:, :, j], runs[:, :, j], sumf)
+        return fp.simd_sum(sumf, lanes).reshape(*y.shape[:-1], R)
+
+
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 _QUANTIZE_Q8 = Kernel("mul_mv", "quantize_q8", ["y"], ["qy", "ds"])
-_Q8_PRE = Kernel("mul_mv", "mul_mv_q4_K_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",))
+_Q8_PRE = Kernel("mul_mv", "mul_mv_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",))
 KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
-# mul_mv_q4_K_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
+# mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
 # fixes the bits, so the CPU's oracle takes CUDA's. CUDA: the GLU's best of 14 on the H200 (bench.py
 # --parts q8: 52.1 us alone, 44.9 inside the decode, against 54.9 and 60.0 for the per-threadgroup
 # kernel); Metal unmeasured (LPR 32: mul_mv_q4_K_q8_multi's order)
@@ -528,32 +560,55 @@ def _q8_geometry(which: str) -> tuple[int, int]:
     return Q8_GEOMETRY.get(which, (2, 4))
 
 
-def q8_pre_geometry(which: str) -> tuple[int, int, int, int]:
-    """``(NR0, NSG, LPR, U)`` of mul_mv_q4_K_q8_pre; ``MUSE_MLX_Q8_PRE_GEOMETRY=NR0xNSGxLPR[xU]``
-    overrides it."""
-    env = os.environ.get("MUSE_MLX_Q8_PRE_GEOMETRY")
+# The calls of at most this many rows but the GLU (ffn_down, the projections, attn_output) may take
+# a geometry of their own (Q8_PRE_FEW_GEOMETRY): with 32/LPR row groups a SIMD group, a
+# 6,656-row call at the GLU's geometry fills 104 threadgroups of 4 SIMD groups, under one per SM.
+FEW_ROWS = 65536
+Q8_PRE_FEW_GEOMETRY: dict[str, tuple[int, int, int, int]] = {}
+
+
+def q8_call(rows: int, glu: bool) -> str:
+    """The geometry class of a mul_mv_q8_pre call: "glu", or "few" (at most FEW_ROWS rows), or "many"."""
+    return "glu" if glu else "few" if rows <= FEW_ROWS else "many"
+
+
+def q8_pre_geometry(which: str, call: str = "glu") -> tuple[int, int, int, int]:
+    """``(NR0, NSG, LPR, U)`` of mul_mv_q8_pre for a call of class ``call`` (:func:`q8_call`):
+    ``MUSE_MLX_Q8_PRE_GEOMETRY=NR0xNSGxLPR[xU]`` overrides it for every call and
+    ``MUSE_MLX_Q8_PRE_GEOMETRY_FEW`` for the "few" calls alone (which otherwise take
+    Q8_PRE_FEW_GEOMETRY, else the GLU's)."""
+    name = "MUSE_MLX_Q8_PRE_GEOMETRY_FEW" if call == "few" and os.environ.get("MUSE_MLX_Q8_PRE_GEOMETRY_FEW") \
+        else "MUSE_MLX_Q8_PRE_GEOMETRY"
+    env = os.environ.get(name)
     if not env:
+        if call == "few" and which in Q8_PRE_FEW_GEOMETRY:
+            return Q8_PRE_FEW_GEOMETRY[which]
         return Q8_PRE_GEOMETRY.get(which, (2, 4, 32, 1))
     try:
         parts = [int(v) for v in env.lower().split("x")]
     except ValueError:
         parts = []
     if len(parts) not in (3, 4):
-        raise ValueError(f"MUSE_MLX_Q8_PRE_GEOMETRY={env!r}: expected NR0xNSGxLPR[xU], e.g. 1x4x8x2")
+        raise ValueError(f"{name}={env!r}: expected NR0xNSGxLPR[xU], e.g. 1x4x8x2")
     nr0, nsg, lpr, u = (parts + [1])[:4]
     if not (1 <= nr0 <= 8 and 1 <= nsg <= 32 and lpr in (4, 8, 16, 32) and 1 <= u <= 4):
-        raise ValueError(f"MUSE_MLX_Q8_PRE_GEOMETRY={env!r}: NR0 must be 1..8, NSG 1..32, LPR 4, 8, 16 or 32, U 1..4")
+        raise ValueError(f"{name}={env!r}: NR0 must be 1..8, NSG 1..32, LPR 4, 8, 16 or 32, U 1..4")
     return nr0, nsg, lpr, u
 
 
 def _q8_pre(kinds, glu: bool) -> bool:
-    """Whether a call on matrices of these kinds takes quantize_q8 + mul_mv_q4_K_q8_pre: by
+    """Whether a call on matrices of these kinds takes quantize_q8 + mul_mv_q8_pre: by
     default the GLU, where it is the faster on the H200 (the per-threadgroup kernel was faster on
     the other calls, measured inside the decode: docs/performance.md); ``MUSE_MLX_Q8_PRE=all``:
-    every all-Q4_K call, ``0``: none."""
+    every all-Q4_K call, ``0``: none. A call with a split Q6_K matrix (flag mv_q8_q6k) always takes
+    it, the only kernel that reads that form."""
     mode = os.environ.get("MUSE_MLX_Q8_PRE", "glu").lower()
     if mode not in ("glu", "all", "0"):
         raise ValueError(f"MUSE_MLX_Q8_PRE={mode!r}: expected glu, all or 0")
+    if "q6_K_split" in kinds:
+        if "q6_K" in kinds:
+            raise ValueError("a q8 call takes Q6_K matrices all split or none (mul_mv_q8_pre reads only split ones)")
+        return True
     if mode == "0" or any(k != "q4_K" for k in kinds):
         return False
     return mode == "all" or glu
@@ -570,7 +625,7 @@ def q8_from_tail() -> bool:
 
 
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
-    """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q4_K_q8_pre: ``qy``
+    """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q8_pre: ``qy``
     (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
     of 32), flat. On the CPU, :func:`quantize_q8`'s values in that layout."""
     which = which or backend()
@@ -589,30 +644,41 @@ def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
                         template=[("GROUPS", groups)], which=which)
 
 
+Q8_PRE_TYPE = {"q4_K": 0, "q6_K_split": 2}  # mul_mv_q8_pre's Y codes (1, raw Q6_K, it does not read)
+
+
 def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.array:
-    """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8,
-    Q6_K through the exact lanes), concatenated; or, with ``glu`` an activation, two Q4_K
-    matrices (gate, up) and ``act(gate) * up``. The GLU takes the activations quantized once
-    (``quantize_q8`` + ``mul_mv_q4_K_q8_pre``, whose lanes per row fix the bits; see :func:`_q8_pre`);
-    the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row). ``q8``: ``y`` already quantized, as
-    :func:`quantize_q8_rows` returns it (from :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a
-    call that takes the activations quantized once; otherwise ignored."""
+    """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8;
+    Q6_K through the exact lanes, or, split by :func:`~muse_mlx.quants.split_q6_K` and given as
+    "q6_K_split", through q8 as well), concatenated; or, with ``glu`` an activation, two Q4_K
+    matrices (gate, up) and ``act(gate) * up``. The GLU and every call with a split matrix take the
+    activations quantized once (``quantize_q8`` + ``mul_mv_q8_pre``, whose lanes per row fix the
+    bits; see :func:`_q8_pre`); the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row). ``q8``: ``y``
+    already quantized, as :func:`quantize_q8_rows` returns it (from
+    :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a call that takes the activations quantized
+    once; otherwise ignored."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _k_of(*weights[0])
+    for w, kind in weights:
+        if _k_of(w, kind) != K:
+            raise ValueError(f"mul_mv_q8: matrices read {K} and {_k_of(w, kind)} columns")
     which = which or backend()
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
-    pre = _q8_pre([k for _, k in weights], glu is not None)
+    kinds = [k for _, k in weights]
+    pre = _q8_pre(kinds, glu is not None)
+    call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
     if which == "cpu":
-        lanes = q8_pre_geometry(which)[2] if pre else 32
-        outs = [mul_mv_q4_K_q8_oracle(y, w, lanes) if k == "q4_K" else ORACLES[k](y, w) for w, k in weights]
+        lanes = q8_pre_geometry(which, call)[2] if pre else 32
+        q8_oracles = {"q4_K": mul_mv_q4_K_q8_oracle, "q6_K_split": mul_mv_q6_K_q8_oracle}
+        outs = [q8_oracles[k](y, w, lanes) if k in q8_oracles else ORACLES[k](y, w) for w, k in weights]
         if glu is not None:
             return silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
         return mx.concatenate(outs, axis=-1)
     y, T = _tokens(y, K)
     if pre:
-        nr0, nsg, lpr, u = q8_pre_geometry(which)
+        nr0, nsg, lpr, u = q8_pre_geometry(which, call)
         per_tg = nr0 * nsg * (32 // lpr)
     else:
         nr0, nsg = _q8_geometry(which)
@@ -627,8 +693,8 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.arr
     out_shape = [(*y.shape[:-1], sum(rows))]
     if pre:
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
-        (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template + [("LPR", lpr), ("U", u)],
-                       **launch)
+        template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
+        (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
         template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
         (dst,) = _Q8(mats + [y], out_shape, [F32], template=template, **launch)
