@@ -236,9 +236,12 @@ class PinnedRoute(Route):
         if "tail_32sg" in self.flags:
             self.count("fused_norm_residual_rms_norm_32sg")
             return kernels.tail_32sg(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps)
-        if (feeds_ffn and "mv_q8" in self.flags and not self._batched(src) and src.shape[-1] % 32 == 0
+        # the q8 GLU's activations come out of the tail too (ffn_gate_up takes them); with the split
+        # Q6_K matrices (mv_q8_q6k), whose calls all take them quantized beforehand, also those of
+        # the projections after it and of the head (project and linear take them)
+        q8_next = feeds_ffn or "mv_q8_q6k" in self.flags
+        if (q8_next and "mv_q8" in self.flags and not self._batched(src) and src.shape[-1] % 32 == 0
                 and kernels.mul_mv.q8_from_tail()):
-            # the q8 GLU's activations come out of the tail too (ffn_gate_up takes them)
             self.count("fused_norm_residual_rms_norm_batch_dual_eps_q8")
             hidden, out, q8 = kernels.tail_dual_eps_q8(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps,
                                                        self.geometry)
@@ -277,7 +280,7 @@ class PinnedRoute(Route):
                 return y.astype(x.dtype)
             if w.form == "q6_K_split":
                 self.count("mul_mv_q6_K_q8")
-                return kernels.mul_mv_q8(x, [(w.weight, "q6_K_split")])
+                return kernels.mul_mv_q8(x, [(w.weight, "q6_K_split")], q8=self._form_of(x, "q8"))
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
                 self.count("mul_mv_q4_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q4_K")])
@@ -300,7 +303,7 @@ class PinnedRoute(Route):
             mats = [(w.weight, "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]) for w in ws]
             if "mv_q8" in self.flags:
                 self.count("mul_mv_q4_K_q8 (multi)")
-                return kernels.mul_mv_q8(x, mats)
+                return kernels.mul_mv_q8(x, mats, q8=self._form_of(x, "q8"))
             self.count("mul_mv_multi_f32")
             prep = self._form_of(x, "q4_K") if any(k == "q4_K" for _, k in mats) else None
             return kernels.mul_mv_multi(x, mats, prep=prep)

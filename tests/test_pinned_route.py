@@ -63,7 +63,7 @@ def test_q8_matvecs_move_logits_by_the_activation_rounding(tiny):
     assert "q8" not in model.route._forms  # taken by the GLU
 
 
-def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny):
+def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
     """mv_q8_q6k holds every untied Q6_K matrix split and runs it through the q8 kernel: the logits
     move by about what mv_q8 moves them, every Q6_K matvec of a decoded token (ffn_down, head,
     attn_v among the projections) is a q8 one, and the split weights dequantize to the blocks'
@@ -88,12 +88,29 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny):
     cache = model.make_cache()
     model(mx.array([TOKENS[:5]]), cache)
     model.route.dispatches.clear()
+    calls, q8_mv = [], K.mul_mv_q8
+
+    def spy(y, weights, **kw):
+        calls.append(([k for _, k in weights], kw.get("q8") is not None))
+        return q8_mv(y, weights, **kw)
+
+    monkeypatch.setattr(K, "mul_mv_q8", spy)
     model(mx.array([[7]]), cache)
+    monkeypatch.undo()
+    # per layer the projections, attn_output, the GLU, ffn_down, then the head: quantized by the tail
+    # before them but for layer 0's projections (after the standalone attn_norm), attn_output (after
+    # the attention) and ffn_down (after the GLU)
+    L = model.cfg.n_layer
+    assert [given for _, given in calls] == [False, False, True, False] + [True, False, True, False] * (L - 1) + [True]
+    assert sum("q6_K_split" in kinds for kinds, _ in calls) > L // 2  # split matrices among them
     d = model.route.dispatches
     # one q8 call each, but for those among the projections (one call per layer for all of them)
     alone = [n for n in q6 if n.rsplit(".", 1)[-1] not in ("attn_q", "attn_k", "attn_v", "attn_gate")]
     assert "output" in alone and d["mul_mv_q6_K_q8"] == len(alone)
     assert d["mul_mv_q4_K_q8 (multi)"] == model.cfg.n_layer and d["mul_mv_q6_K_f32"] == 0
+    # every tail writes its output quantized too, and the GLU, the projections or the head take it
+    assert d["fused_norm_residual_rms_norm_batch_dual_eps_q8"] == 2 * model.cfg.n_layer
+    assert d["fused_norm_residual_rms_norm_batch_dual_eps"] == 0 and "q8" not in model.route._forms
     model.set_flags(())
     assert all(m.form == "blocks" for m in q6.values())
     np.testing.assert_array_equal(logits(model).view(np.uint64), base.view(np.uint64))

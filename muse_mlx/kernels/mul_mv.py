@@ -564,7 +564,10 @@ def _q8_geometry(which: str) -> tuple[int, int]:
 # a geometry of their own (Q8_PRE_FEW_GEOMETRY): with 32/LPR row groups a SIMD group, a
 # 6,656-row call at the GLU's geometry fills 104 threadgroups of 4 SIMD groups, under one per SM.
 FEW_ROWS = 65536
-Q8_PRE_FEW_GEOMETRY: dict[str, tuple[int, int, int, int]] = {}
+# CUDA: the fastest of 14 over the split Q6_K ffn_down and projections (bench.py --parts q8, H200,
+# 2026-12-02); inside the decode the ffn_down then ran 29.4 us, against 55.5 exact (docs/performance.md)
+Q8_PRE_FEW_GEOMETRY = {"cuda": (4, 4, 32, 1)}
+Q8_PRE_FEW_GEOMETRY["cpu"] = Q8_PRE_FEW_GEOMETRY["cuda"]  # LPR fixes the bits: the CPU's oracle takes CUDA's
 
 
 def q8_call(rows: int, glu: bool) -> str:
