@@ -13,6 +13,8 @@ applied. On the stock route that is just the same ops in the same order.
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -209,6 +211,10 @@ class Model(nn.Module):
         from gguf import GGMLQuantizationType as T
 
         self.route.flags = check_flags(self.route.name, flags)
+        # A compiled decode step that is garbage but sits in a reference cycle (DecodeStep -> its
+        # mx.compile of a bound method -> DecodeStep) holds the arrays it traced until the cycle is
+        # collected: without this, the old forms outlived the switch (4.1 GB more on the H200).
+        gc.collect()
         for _, lin in self.named_modules():
             if (isinstance(lin, QLinear) and lin.qtype == T.Q6_K and lin.form in ("blocks", "q6_K_split")
                     and not (lin is self.output and self.cfg.tied_output)):

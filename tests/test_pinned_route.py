@@ -120,6 +120,37 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
         model.set_flags(["mv_q8_q6k"])
 
 
+def test_switching_forms_frees_the_old_ones_a_dead_compiled_step_traced(tiny):
+    """Model.set_flags collects garbage first: a compiled function in a reference cycle (as a
+    dropped DecodeStep is) keeps the arrays it traced until the cycle is collected, so the Q6_K
+    matrices' old form would outlive the switch (seen on the H200: 4.1 GB)."""
+    import gc
+
+    from muse_mlx.layers import QLinear
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    q6 = [m for _, m in model.named_modules() if isinstance(m, QLinear) and m.qtype == T.Q6_K]
+    q6_bytes = sum(m.weight.nbytes for m in q6)
+
+    class Step:  # a cycle through a compiled bound method, reading every Q6_K weight
+        def __init__(self):
+            self.fn = mx.compile(self.step)
+
+        def step(self, x):
+            return x + sum(m.weight.astype(mx.float32).sum() for m in q6)
+
+    gc.disable()
+    try:
+        mx.eval(Step().fn(mx.array(0.0)))
+        before = mx.get_active_memory()
+        model.set_flags(["mv_q8", "mv_q8_q6k"])
+        grown = mx.get_active_memory() - before
+    finally:
+        gc.enable()
+    assert all(m.form == "q6_K_split" for m in q6)
+    assert grown < q6_bytes // 2, (grown, q6_bytes)
+
+
 def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
     """MUSE_MLX_Q8_TAIL=0 quantizes the GLU's input in a dispatch of its own (quantize_q8), the
     default in the tail before it: a dispatch fewer, the same decoded logits. On the CPU both run
