@@ -120,6 +120,22 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
         model.set_flags(["mv_q8_q6k"])
 
 
+def test_batched_prefill_rejoins_the_split_Q6_K_rows(tiny):
+    """A batched prefill runs no matvec kernel: with mv_q8_q6k its Q6_K matmuls dequantize the
+    split matrices rejoined (QLinear.raw_blocks), so its logits are the exact route's, bit for bit."""
+    from muse_mlx.generate import batched_prefill
+
+    path = tiny("muse-glimmer")
+    out = {}
+    for flags in ((), ("mv_q8", "mv_q8_q6k")):
+        model = load_model(path, "pinned", flags)
+        model.kv_dtype = mx.float32
+        with batched_prefill(model.route, "batched"):
+            out[flags] = np.array(model(mx.array([TOKENS]))[0])
+        assert model.route.dispatches["dequant_matmul"] > 0 and model.route.dispatches["mul_mv_q6_K_q8"] == 0
+    np.testing.assert_array_equal(out[()].view(np.uint32), out[("mv_q8", "mv_q8_q6k")].view(np.uint32))
+
+
 def test_switching_forms_frees_the_old_ones_a_dead_compiled_step_traced(tiny):
     """Model.set_flags collects garbage first: a compiled function in a reference cycle (as a
     dropped DecodeStep is) keeps the arrays it traced until the cycle is collected, so the Q6_K
