@@ -213,7 +213,7 @@ class Model(nn.Module):
         self.route.flags = check_flags(self.route.name, flags)
         # A compiled decode step that is garbage but sits in a reference cycle (DecodeStep -> its
         # mx.compile of a bound method -> DecodeStep) holds the arrays it traced until the cycle is
-        # collected: without this, the old forms outlived the switch (4.1 GB more on the H200).
+        # collected: without this, the old forms outlived the switch (4.1-4.5 GB more on the H200).
         gc.collect()
         for _, lin in self.named_modules():
             if (isinstance(lin, QLinear) and lin.qtype == T.Q6_K and lin.form in ("blocks", "q6_K_split")
