@@ -360,7 +360,14 @@ class PinnedRoute(Route):
         same = gate.form == up.form == "blocks" and gate.qtype == up.qtype and gate.qtype in _KIND
         if "mv_q8" in self.flags and fusable and not self._batched(x):
             self.count("mul_mv_q4_K_q8 (glu)")
-            return kernels.mul_mv_q8(x, [(gate.weight, "q4_K"), (up.weight, "q4_K")], glu=activation, q8=q8)
+            mats = [(gate.weight, "q4_K"), (up.weight, "q4_K")]
+            if "mv_q8_q6k" in self.flags and kernels.mul_mv.q8_from_glu():
+                # its output quantized too, for a split Q6_K ffn_down (linear takes it)
+                out, q8_out = kernels.mul_mv_q8(x, mats, glu=activation, q8=q8, q8_out=True)
+                if q8_out is not None:
+                    self._forms["q8"] = (out, q8_out)
+                return out
+            return kernels.mul_mv_q8(x, mats, glu=activation, q8=q8)
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")

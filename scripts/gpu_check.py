@@ -404,6 +404,21 @@ def check_q8_q6k(rng, quick):
     want = [mul_mv.mul_mv_q4_K_q8_oracle(x, w, g[2]) for w in q4]
     compare("mul_mv_q8_pre multi (opt-in mv_q8_q6k)", f"q,k,v(Q6_K split),gate x {D} at {'x'.join(map(str, g))}",
             got, mx.concatenate(want[:2] + [oracle(x, v, g[2])] + want[2:], -1))
+    # the GLU that writes its output quantized too (MUSE_MLX_Q8_GLU_OUT=1): the plain GLU's output,
+    # and that output quantized as quantize_q8 does
+    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    out, q8 = gpu(K.mul_mv_q8, x, [(wg, "q4_K"), (wu, "q4_K")], glu="silu", q8_out=True)
+    case = f"{ff}x{D} silu at {'x'.join(map(str, geo('glu')))}"
+    if q8 is None:
+        compare("mul_mv_q8_pre_q8out (opt-in mv_q8_q6k)", case, mx.array([1.0]), mx.array([0.0]),
+                note="no q8 output at this geometry")
+    else:
+        compare("mul_mv_q8_pre_q8out glu output (opt-in mv_q8_q6k)", case, out,
+                gpu(K.mul_mv_q8, x, [(wg, "q4_K"), (wu, "q4_K")], glu="silu"))
+        want_qy, want_ds = mul_mv.quantize_q8_rows(out, which="cpu")
+        compare("mul_mv_q8_pre_q8out d, sum q (opt-in mv_q8_q6k)", case, q8[1], want_ds)
+        compare("mul_mv_q8_pre_q8out int8 words (opt-in mv_q8_q6k)", case, mx.view(q8[0], mx.float32),
+                mx.view(want_qy, mx.float32))
 
 
 def edge_activations(rng, k):

@@ -401,6 +401,8 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
             rec(f"q8 Q6_K split head {VOCAB}x{D}", K.mul_mv_q8, y_d, [(q6s(VOCAB, D), "q6_K_split")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6 split)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6s(KVW, D), "q6_K_split"), (q4(QW, D), "q4_K")])
+            rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too", K.mul_mv_q8, y_d,
+                [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g), env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", K.mul_mv_q8, y_d,

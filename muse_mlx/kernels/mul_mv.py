@@ -541,7 +541,10 @@ def mul_mv_q6_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 _QUANTIZE_Q8 = Kernel("mul_mv", "quantize_q8", ["y"], ["qy", "ds"])
 _Q8_PRE = Kernel("mul_mv", "mul_mv_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",))
-KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE)
+# the q8 GLU that also writes its output quantized (flag mv_q8_q6k with MUSE_MLX_Q8_GLU_OUT=1)
+_Q8_PRE_OUT = Kernel("mul_mv", "mul_mv_q8_pre_q8out", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst", "oqy", "ods"],
+                     uses=("ffn",), parts=("mul_mv_q8_pre", "q8_out"))
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_OUT)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
@@ -627,6 +630,16 @@ def q8_from_tail() -> bool:
     return mode == "1" and _q8_pre(("q4_K", "q4_K"), glu=True)  # a Q4_K GLU: the only call the tail feeds
 
 
+def q8_from_glu() -> bool:
+    """Whether the q8 GLU before a split Q6_K ffn_down (flag mv_q8_q6k) also writes its output
+    quantized (``mul_mv_q8_pre_q8out``), sparing the ffn_down's ``quantize_q8`` dispatch:
+    ``MUSE_MLX_Q8_GLU_OUT=0`` (default: not yet run on a GPU) or ``1``."""
+    mode = os.environ.get("MUSE_MLX_Q8_GLU_OUT", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"MUSE_MLX_Q8_GLU_OUT={mode!r}: expected 0 or 1")
+    return mode == "1" and _q8_pre(("q4_K", "q4_K"), glu=True)
+
+
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
     """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q8_pre: ``qy``
     (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
@@ -650,7 +663,7 @@ def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
 Q8_PRE_TYPE = {"q4_K": 0, "q6_K_split": 2}  # mul_mv_q8_pre's Y codes (1, raw Q6_K, it does not read)
 
 
-def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.array:
+def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: bool = False):
     """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8;
     Q6_K through the exact lanes, or, split by :func:`~muse_mlx.quants.split_q6_K` and given as
     "q6_K_split", through q8 as well), concatenated; or, with ``glu`` an activation, two Q4_K
@@ -659,7 +672,9 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.arr
     bits; see :func:`_q8_pre`); the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row). ``q8``: ``y``
     already quantized, as :func:`quantize_q8_rows` returns it (from
     :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a call that takes the activations quantized
-    once; otherwise ignored."""
+    once; otherwise ignored. ``q8_out`` (a GLU only): return ``(output, q8)``, the output also
+    quantized as :func:`quantize_q8_rows` quantizes it, by the GLU itself where it can
+    (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _k_of(*weights[0])
@@ -677,7 +692,8 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.arr
         q8_oracles = {"q4_K": mul_mv_q4_K_q8_oracle, "q6_K_split": mul_mv_q6_K_q8_oracle}
         outs = [q8_oracles[k](y, w, lanes) if k in q8_oracles else ORACLES[k](y, w) for w, k in weights]
         if glu is not None:
-            return silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
+            out = silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
+            return (out, quantize_q8_rows(out, which)) if q8_out and pre else (out, None) if q8_out else out
         return mx.concatenate(outs, axis=-1)
     y, T = _tokens(y, K)
     if pre:
@@ -697,11 +713,17 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None) -> mx.arr
     if pre:
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
+        if q8_out and glu is not None and rows[0] % per_tg == 0 and per_tg % 32 == 0:
+            # no SIMD group leaves before the part's barrier; each threadgroup holds whole groups of 32
+            dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
+                                                                     (y.size // K * rows[0] // 16,)],
+                                        [F32, mx.uint32, F32], template=template, **launch)
+            return dst, (oqy, ods)
         (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
         template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
         (dst,) = _Q8(mats + [y], out_shape, [F32], template=template, **launch)
-    return dst
+    return (dst, None) if q8_out else dst
 
 
 def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.array:
