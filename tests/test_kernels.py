@@ -27,6 +27,7 @@ from muse_mlx import kernels as K
 from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm
 from muse_mlx.kernels.backend import Kernel, backend
 from muse_mlx.quantizers import quantize
+from muse_mlx.quants import split_q6_K
 
 RNG = np.random.default_rng(7)
 
@@ -285,6 +286,10 @@ def record_all_kernels():
     K.mul_mv_q6_K(x, q6, which="record", head=True, geometry=head)  # bounded at its tuned geometry
     K.mul_mv_q8(x, [(q4, "q4_K"), (q6, "q6_K")], which="record")
     K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", glu="gelu_tanh")
+    K.mul_mv_q8(x, [(q4, "q4_K"), (split_q6_K(q6), "q6_K_split")], which="record")  # mul_mv_q8_pre's Q6_K lanes
+    q4_64 = mx.concatenate([q4] * (-(-64 // q4.shape[0])))[:64]  # whole threadgroups of 2x4x4 (64 rows)
+    with mock.patch.dict(os.environ, {"MUSE_MLX_Q8_PRE_GEOMETRY": "2x4x4"}):  # the GLU writing its output's q8
+        K.mul_mv_q8(x, [(q4_64, "q4_K"), (q4_64, "q4_K")], which="record", glu="silu", q8_out=True)
     K.dequantize_rows(q4, "q4_K", which="record")
     K.dequantize_rows(q6, "q6_K", which="record")
     K.dequantize_rows(q4, "q4_K", mx.float16, which="record")
@@ -346,7 +351,7 @@ def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():
     # row_sums reaches both lane loops (its TYPE branch is not resolved in the text), and their helpers
     assert {"row_sums", "q4K_lane_sums", "q6K_lane_sums", "q4K_block", "u2f_m", "byte_magic"} <= q4
     assert not q4 & {"q8_group", "q4K_q8_run", "dot4_i8", "q4K_dequant4", "dequant4", "lane_group_sum"}
-    assert names(mul_mv._QUANTIZE_Q8) == {"q8_group"}
+    assert names(mul_mv._QUANTIZE_Q8) == {"q8_group", "q8_quantize"}
     assert {"apply_activation", "gelu_tanh", "GELU_COEF_A"} <= names(mul_mv._GLU)
     assert "q4k_v4_dual_row_mac" not in names(mul_mv._GLU)
     assert names(attention._COMBINE) == {"first_visible", "splits_used", "attn_gate"}
