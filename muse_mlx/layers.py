@@ -62,7 +62,7 @@ class QLinear(nn.Module):
 
     def reform(self, form: str) -> None:
         """Hold the weight in ``form`` from now on: raw blocks and the split form turn into each
-        other (the same bytes, so no more memory than the one matrix being rearranged)."""
+        other (the same bytes; while one matrix is rearranged, about twice its size more is held)."""
         if form == self.form:
             return
         step = self._REFORMS.get((self.form, form))

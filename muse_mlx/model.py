@@ -205,7 +205,8 @@ class Model(nn.Module):
         """Switch the route's opt-in flags on the loaded model, each Q6_K weight then held in the
         form the route asks for (the split form comes and goes with ``mv_q8_q6k``; turned in place,
         one matrix at a time). A tied head keeps the embedding's blocks: splitting it would hold a
-        second copy of the table."""
+        second copy of the table. A DecodeStep made before keeps the weights and kernels it traced:
+        make a new one after switching."""
         from .layers import QLinear
         from .routes import check_flags
         from gguf import GGMLQuantizationType as T
@@ -290,8 +291,8 @@ class Model(nn.Module):
         if advance:
             for c in cache:
                 c.offset += 1
-        if last_only:
-            a = a[:, -1:, :]
+        if last_only and a.shape[1] > 1:  # (a slice of one token would be a new array: the route's
+            a = a[:, -1:, :]               # hand-off from the tail to the head goes by identity)
         logits = route.head(a, self.output)
         if cfg.logit_scale is not None and cfg.logit_scale != 1.0:  # x * 1.0 is x: one op fewer
             logits = logits * np.float32(cfg.logit_scale)

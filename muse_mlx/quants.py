@@ -222,15 +222,18 @@ Q6_K_BODY = 208
 
 def split_q6_K(rows: mx.array) -> mx.array:
     """Raw Q6_K rows ``[R, nb*210]`` -> the split form (uint8, the same shape; see above)."""
-    R, nb = rows.shape[0], rows.shape[1] // 210
-    if rows.ndim != 2 or rows.shape[1] != nb * 210:
+    if rows.ndim != 2 or rows.shape[1] % 210:
         raise ValueError(f"Q6_K rows must be [R, whole 210-byte blocks], got {rows.shape}")
+    R, nb = rows.shape[0], rows.shape[1] // 210
     b = rows.reshape(R * nb, 210)
     return mx.concatenate([b[:, :Q6_K_BODY].reshape(-1), b[:, Q6_K_BODY:].reshape(-1)]).reshape(R, nb * 210)
 
 
 def join_q6_K(split: mx.array) -> mx.array:
-    """The split form -> raw Q6_K rows ``[R, nb*210]`` (the inverse of :func:`split_q6_K`)."""
+    """The split form -> raw Q6_K rows ``[R, nb*210]`` (the inverse of :func:`split_q6_K`). Only a
+    whole split matrix: its rows are not rows of the raw one (a slice of it is no matrix at all)."""
+    if split.ndim != 2 or split.shape[1] % 210:
+        raise ValueError(f"a split Q6_K matrix is [R, whole 210-byte blocks], got {split.shape}")
     R, nb = split.shape[0], split.shape[1] // 210
     flat = split.reshape(-1)
     bodies = flat[: R * nb * Q6_K_BODY].reshape(R * nb, Q6_K_BODY)

@@ -205,7 +205,7 @@ class PinnedRoute(Route):
     MATVEC_MAX_TOKENS = 3
 
     def __init__(self, flags=frozenset()):
-        super().__init__(flags)
+        super().__init__(check_flags(self.name, flags))
         self.geometry = "llama"
         # a tail's output in a matvec's input form, per form ("q8" for the q8 GLU, "q4_K" prepared
         # for the exact Q4_K lanes): (output, form) until the matvec after the tail takes it

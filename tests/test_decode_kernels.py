@@ -359,12 +359,12 @@ def test_q8_pre_kernel_on_split_Q6_K(geometry, monkeypatch):
 @pytest.mark.parametrize("geometry", ["2x4x4x1", "2x8x8x2"])
 def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
     """mul_mv_q8_pre_q8out (flag mv_q8_q6k, MUSE_MLX_Q8_GLU_OUT=1): the GLU's output, bit for bit
-    the plain kernel's, and that output quantized as quantize_q8 quantizes it (two tokens; 64 rows,
-    whole threadgroups of 64 rows at both geometries). With rows that are not whole threadgroups, or
+    the plain kernel's, and that output quantized as quantize_q8 quantizes it (two tokens; 128 rows,
+    two whole threadgroups of 64 rows at both geometries). With rows that are not whole threadgroups, or
     threadgroups not of whole groups of 32 (1x4x8: 16 rows), it gives no q8 (the next call quantizes)."""
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
     y = arr(2, 512)
-    a, c = qrows(64, 512, "q4_K"), qrows(64, 512, "q4_K")
+    a, c = qrows(128, 512, "q4_K"), qrows(128, 512, "q4_K")  # two threadgroups a token
     mats = [(a, "q4_K"), (c, "q4_K")]
     out, (qy, ds) = emulate_recorded(K.mul_mv_q8, y, mats, glu="silu", q8_out=True)
     assert_bits_equal(out, emulate_recorded(K.mul_mv_q8, y, mats, glu="silu"))
@@ -375,6 +375,8 @@ def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
     assert emulate_recorded(K.mul_mv_q8, y, odd, glu="silu", q8_out=True)[1] is None
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "1x4x8")
     assert emulate_recorded(K.mul_mv_q8, y, mats, glu="silu", q8_out=True)[1] is None
+    with pytest.raises(ValueError, match="q8_out is for the q8 GLU"):
+        K.mul_mv_q8(y, mats[:1], q8_out=True, which="cpu")
 
 
 def test_q8_calls_take_Q6_K_all_split_or_none():

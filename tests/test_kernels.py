@@ -351,7 +351,7 @@ def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():
     # row_sums reaches both lane loops (its TYPE branch is not resolved in the text), and their helpers
     assert {"row_sums", "q4K_lane_sums", "q6K_lane_sums", "q4K_block", "u2f_m", "byte_magic"} <= q4
     assert not q4 & {"q8_group", "q4K_q8_run", "dot4_i8", "q4K_dequant4", "dequant4", "lane_group_sum"}
-    assert names(mul_mv._QUANTIZE_Q8) == {"q8_group", "q8_quantize"}
+    assert names(mul_mv._QUANTIZE_Q8) == {"q8_group"}
     assert {"apply_activation", "gelu_tanh", "GELU_COEF_A"} <= names(mul_mv._GLU)
     assert "q4k_v4_dual_row_mac" not in names(mul_mv._GLU)
     assert names(attention._COMBINE) == {"first_visible", "splits_used", "attn_gate"}

@@ -403,11 +403,14 @@ MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb,
 
 // -- the opt-in int8-activation (q8) matvecs: NOT exact (flag mv_q8) --
 
-// One group of 32 activations (v, four to a float4) -> int8 as llama.cpp's CUDA quantize_q8_1:
-// d = max|y|/127, q = round(y/d) (half away from zero), packed four to a word (little-endian),
-// and sum q (exact: |sum| <= 32*127). One thread per group, no shuffles.
-MUSE_FN void q8_quantize(thread const float4* v, thread int4& lo, thread int4& hi, thread float& d,
-                         thread int& sum) {
+// One group of 32 activations -> int8 as llama.cpp's CUDA quantize_q8_1: d = max|y|/127,
+// q = round(y/d) (half away from zero), packed four to a word (little-endian), and sum q
+// (exact: |sum| <= 32*127). One thread per group, no shuffles.
+MUSE_FN void q8_group(device const float* src, thread int4& lo, thread int4& hi, thread float& d,
+                      thread int& sum) {
+    device const float4* v4 = (device const float4*)src;
+    float4 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = v4[i];
     float amax = 0.0f;
     for (int i = 0; i < 8; ++i)
         for (int e = 0; e < 4; ++e) amax = max(amax, fabs(v[i][e]));
@@ -425,15 +428,6 @@ MUSE_FN void q8_quantize(thread const float4* v, thread int4& lo, thread int4& h
     }
     lo.x = int(word[0]); lo.y = int(word[1]); lo.z = int(word[2]); lo.w = int(word[3]);
     hi.x = int(word[4]); hi.y = int(word[5]); hi.z = int(word[6]); hi.w = int(word[7]);
-}
-
-// q8_quantize of the 32 activations at src.
-MUSE_FN void q8_group(device const float* src, thread int4& lo, thread int4& hi, thread float& d,
-                      thread int& sum) {
-    device const float4* v4 = (device const float4*)src;
-    float4 v[8];
-    for (int i = 0; i < 8; ++i) v[i] = v4[i];
-    q8_quantize(v, lo, hi, d, sum);
 }
 
 // One Q4_K run (the 32 quant bytes of sub-blocks 2tq, 2tq+1 of a block, read as qa, qb after
@@ -918,30 +912,19 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== part: q8_out
 // OPT-IN, NOT EXACT (flag mv_q8_q6k, MUSE_MLX_Q8_GLU_OUT=1): appended to mul_mv_q8_pre's body
 // (kernel mul_mv_q8_pre_q8out, GLU = 1), so that the GLU also writes its output as quantize_q8
-// would, for the ffn_down after it: one dispatch fewer per layer. Each SIMD group puts its rows'
-// values (the same ones it wrote to dst) in threadgroup memory; after the barrier, one thread per
-// group of 32 rows quantizes them (q8_quantize). R0 must be a multiple of the threadgroup's rows
-// and those of 32 (the wrapper checks), so no SIMD group has left before the barrier.
+// would, for the ffn_down after it: one dispatch fewer per layer. After a barrier that makes this
+// threadgroup's writes to dst visible to all its threads, one thread per group of 32 rows reads
+// them back and quantizes them (q8_group): the q8 of exactly the values written. R0 must be a
+// multiple of the threadgroup's rows and those of 32 (the wrapper checks), so no SIMD group has
+// left before the barrier.
 // outputs also: oqy [T, R0/4] (uint32), ods [T, R0/16] (per group: d, float(sum q))
-    threadgroup float acts[NR0 * (32 / LPR) * NSG];
-    for (int r = 0; r < NR0; ++r) {
-        const float v = apply_activation<ACT>(lane_group_sum<LPR>(sumf[r]), lane_group_sum<LPR>(sumf[NR0 + r]));
-        if (li == 0) acts[sgitg * per_sg + gi * NR0 + r] = v;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    threadgroup_barrier(mem_flags::mem_device);
     const uint og = sgitg * 32 + tiisg;  // the group of 32 rows this thread quantizes, in the threadgroup
     if (og < per_tg / 32) {
-        float4 v[8];
-        for (int i = 0; i < 8; ++i) {
-            v[i].x = acts[32 * og + 4 * i];
-            v[i].y = acts[32 * og + 4 * i + 1];
-            v[i].z = acts[32 * og + 4 * i + 2];
-            v[i].w = acts[32 * og + 4 * i + 3];
-        }
         int4 lo, hi;
         float d;
         int sum;
-        q8_quantize(v, lo, hi, d, sum);
+        q8_group(dst + (ulong)t * R0 + tg * per_tg + 32 * og, lo, hi, d, sum);
         const ulong G = (ulong)t * (R0 / 32) + tg * (per_tg / 32) + og;
         device int4* q4 = (device int4*)oqy;
         q4[2 * G] = lo;

@@ -684,22 +684,27 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     which = which or backend()
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
+    if q8_out and glu is None:
+        raise ValueError("q8_out is for the q8 GLU (glu=...) only")
     kinds = [k for _, k in weights]
     pre = _q8_pre(kinds, glu is not None)
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
+    if pre:
+        nr0, nsg, lpr, u = q8_pre_geometry(which, call)
+        per_tg = nr0 * nsg * (32 // lpr)
+    # the GLU writes its output quantized where its threadgroups hold whole groups of 32 rows and
+    # no SIMD group leaves before the part's barrier (the CPU gives the q8 on the same condition)
+    own_q8 = q8_out and pre and weights[0][0].shape[0] % per_tg == 0 and per_tg % 32 == 0
     if which == "cpu":
-        lanes = q8_pre_geometry(which, call)[2] if pre else 32
+        lanes = lpr if pre else 32
         q8_oracles = {"q4_K": mul_mv_q4_K_q8_oracle, "q6_K_split": mul_mv_q6_K_q8_oracle}
         outs = [q8_oracles[k](y, w, lanes) if k in q8_oracles else ORACLES[k](y, w) for w, k in weights]
         if glu is not None:
             out = silu_oracle(*outs) if glu == "silu" else gelu_oracle(*outs)
-            return (out, quantize_q8_rows(out, which)) if q8_out and pre else (out, None) if q8_out else out
+            return (out, quantize_q8_rows(out, which) if own_q8 else None) if q8_out else out
         return mx.concatenate(outs, axis=-1)
     y, T = _tokens(y, K)
-    if pre:
-        nr0, nsg, lpr, u = q8_pre_geometry(which, call)
-        per_tg = nr0 * nsg * (32 // lpr)
-    else:
+    if not pre:
         nr0, nsg = _q8_geometry(which)
         per_tg = nr0 * nsg
     mats, rows, kinds = _four_slots(weights)
@@ -713,8 +718,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     if pre:
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
-        if q8_out and glu is not None and rows[0] % per_tg == 0 and per_tg % 32 == 0:
-            # no SIMD group leaves before the part's barrier; each threadgroup holds whole groups of 32
+        if own_q8:
             dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                      (y.size // K * rows[0] // 16,)],
                                         [F32, mx.uint32, F32], template=template, **launch)
