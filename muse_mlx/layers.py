@@ -28,6 +28,9 @@ from gguf import GGMLQuantizationType as T
 from .quants import FORMATS, HI_LO_GROUP, dequantize, join_q6_K, split_q6_K, to_affine, to_affine_hi_lo
 
 
+RAW_FORMS = ("blocks", "q6_K_split")  # the forms that hold the GGUF blocks' bytes (QLinear.raw_blocks)
+
+
 class QLinear(nn.Module):
     """``y = x @ W.T`` for a GGUF weight ``W [out, in]`` (no bias)."""
 

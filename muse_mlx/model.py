@@ -207,7 +207,7 @@ class Model(nn.Module):
         one matrix at a time). A tied head keeps the embedding's blocks: splitting it would hold a
         second copy of the table. A DecodeStep made before keeps the weights and kernels it traced:
         make a new one after switching."""
-        from .layers import QLinear
+        from .layers import RAW_FORMS, QLinear
         from .routes import check_flags
         from gguf import GGMLQuantizationType as T
 
@@ -217,7 +217,7 @@ class Model(nn.Module):
         # collected: without this, the old forms outlived the switch (4.1-4.5 GB more on the H200).
         gc.collect()
         for _, lin in self.named_modules():
-            if (isinstance(lin, QLinear) and lin.qtype == T.Q6_K and lin.form in ("blocks", "q6_K_split")
+            if (isinstance(lin, QLinear) and lin.qtype == T.Q6_K and lin.form in RAW_FORMS
                     and not (lin is self.output and self.cfg.tied_output)):
                 lin.reform(self.route.form_for(lin.qtype))
 

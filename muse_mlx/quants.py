@@ -217,25 +217,26 @@ def to_affine_hi_lo(data: mx.array, qtype: T):
 # scales) in row-major block order, so each body starts on a 16-byte boundary, then every
 # block's d (2 bytes) in the same order. Block (r, j)'s body is at 208*(r*nb + j), its d at
 # 208*R*nb + 2*(r*nb + j).
-Q6_K_BODY = 208
+Q6_K_BLOCK = FORMATS[T.Q6_K].type_size  # 210
+Q6_K_BODY = Q6_K_BLOCK - 2  # 208: all but d
 
 
 def split_q6_K(rows: mx.array) -> mx.array:
     """Raw Q6_K rows ``[R, nb*210]`` -> the split form (uint8, the same shape; see above)."""
-    if rows.ndim != 2 or rows.shape[1] % 210:
+    if rows.ndim != 2 or rows.shape[1] % Q6_K_BLOCK:
         raise ValueError(f"Q6_K rows must be [R, whole 210-byte blocks], got {rows.shape}")
-    R, nb = rows.shape[0], rows.shape[1] // 210
-    b = rows.reshape(R * nb, 210)
-    return mx.concatenate([b[:, :Q6_K_BODY].reshape(-1), b[:, Q6_K_BODY:].reshape(-1)]).reshape(R, nb * 210)
+    R, nb = rows.shape[0], rows.shape[1] // Q6_K_BLOCK
+    b = rows.reshape(R * nb, Q6_K_BLOCK)
+    return mx.concatenate([b[:, :Q6_K_BODY].reshape(-1), b[:, Q6_K_BODY:].reshape(-1)]).reshape(R, nb * Q6_K_BLOCK)
 
 
 def join_q6_K(split: mx.array) -> mx.array:
     """The split form -> raw Q6_K rows ``[R, nb*210]`` (the inverse of :func:`split_q6_K`). Only a
     whole split matrix: its rows are not rows of the raw one (a slice of it is no matrix at all)."""
-    if split.ndim != 2 or split.shape[1] % 210:
+    if split.ndim != 2 or split.shape[1] % Q6_K_BLOCK:
         raise ValueError(f"a split Q6_K matrix is [R, whole 210-byte blocks], got {split.shape}")
-    R, nb = split.shape[0], split.shape[1] // 210
+    R, nb = split.shape[0], split.shape[1] // Q6_K_BLOCK
     flat = split.reshape(-1)
     bodies = flat[: R * nb * Q6_K_BODY].reshape(R * nb, Q6_K_BODY)
-    ds = flat[R * nb * Q6_K_BODY :].reshape(R * nb, 210 - Q6_K_BODY)
-    return mx.concatenate([bodies, ds], axis=1).reshape(R, nb * 210)
+    ds = flat[R * nb * Q6_K_BODY :].reshape(R * nb, Q6_K_BLOCK - Q6_K_BODY)
+    return mx.concatenate([bodies, ds], axis=1).reshape(R, nb * Q6_K_BLOCK)

@@ -25,12 +25,11 @@ from gguf import GGMLQuantizationType as T
 
 from . import kernels
 from .errors import RouteError
-from .layers import Norm, QLinear
+from .layers import RAW_FORMS, Norm, QLinear
 from .quants import FORMATS
 
 ROUTES = ("stock", "pinned")
 _KIND = {T.Q4_K: "q4_K", T.Q6_K: "q6_K"}  # the raw-block types the pinned matvecs read
-_RAW_FORMS = ("blocks", "q6_K_split")  # the forms that hold the GGUF blocks' bytes (QLinear.raw_blocks)
 
 # Opt-in fusions of the pinned route, named after the reference engine's kernels.
 PINNED_FLAGS = {
@@ -269,7 +268,7 @@ class PinnedRoute(Route):
         return self.batched is not None and x.size // x.shape[-1] > self.MATVEC_MAX_TOKENS
 
     def linear(self, x, w):
-        if w.form in _RAW_FORMS and w.qtype in _KIND:
+        if w.form in RAW_FORMS and w.qtype in _KIND:
             if self._batched(x):
                 self.count("dequant_matmul")
                 wd = kernels.dequantize_rows(w.raw_blocks(), _KIND[w.qtype], self.batched)
@@ -299,7 +298,7 @@ class PinnedRoute(Route):
     def project(self, x, ws):
         # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs
         # them one by one; each row gets the same bits either way).
-        if len(ws) <= 4 and not self._batched(x) and all(w.form in _RAW_FORMS and w.qtype in _KIND for w in ws):
+        if len(ws) <= 4 and not self._batched(x) and all(w.form in RAW_FORMS and w.qtype in _KIND for w in ws):
             mats = [(w.weight, "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]) for w in ws]
             if "mv_q8" in self.flags:
                 self.count("mul_mv_q4_K_q8 (multi)")

@@ -223,15 +223,21 @@ _GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",), "q4_K single": ("MUSE_MLX_MV
 Q4K_HALVES = {"cuda": 1, "metal": 0}
 
 
+def _switch(name: str, default: bool | None) -> bool | None:
+    """An on/off environment switch: ``name=1`` or ``0``; unset, ``default``; anything else an error."""
+    env = os.environ.get(name)
+    if env is None:
+        return default
+    if env not in ("0", "1"):
+        raise ValueError(f"{name}={env!r}: expected 0 or 1")
+    return env == "1"
+
+
 def q4K_halves(which: str) -> int:
     """The Q4_K lanes' nibble form on this backend (:data:`Q4K_HALVES`; 0 where it has none):
     ``MUSE_MLX_Q4K_HALVES=0|1`` overrides it."""
-    env = os.environ.get("MUSE_MLX_Q4K_HALVES")
-    if env is not None:
-        if env not in ("0", "1"):
-            raise ValueError(f"MUSE_MLX_Q4K_HALVES={env!r}: expected 0 or 1")
-        return int(env)
-    return Q4K_HALVES.get(which, 0)
+    on = _switch("MUSE_MLX_Q4K_HALVES", None)
+    return Q4K_HALVES.get(which, 0) if on is None else int(on)
 
 
 # Resident warps per SM that the exact Q4_K GLU is compiled for on CUDA (``__launch_bounds__``;
@@ -288,10 +294,7 @@ def q4K_prep(which: str) -> bool:
     """Whether the exact tails write their output prepared for the Q4_K matvecs after them
     (``tail_dual_eps_q4``; the matvecs' ``prep=``): on a GPU whose lanes take the halves form
     (:func:`q4K_halves`), unless ``MUSE_MLX_Q4K_PREP=0``. On the CPU the oracles read ``y`` anyway."""
-    env = os.environ.get("MUSE_MLX_Q4K_PREP", "1")
-    if env not in ("0", "1"):
-        raise ValueError(f"MUSE_MLX_Q4K_PREP={env!r}: expected 1 or 0")
-    return env == "1" and which not in ("cpu", "record") and bool(q4K_halves(which))
+    return _switch("MUSE_MLX_Q4K_PREP", True) and which not in ("cpu", "record") and bool(q4K_halves(which))
 
 
 def _prep_inputs(prep, y: mx.array, which: str) -> tuple[list[mx.array], int]:
@@ -405,6 +408,15 @@ def _four_slots(weights) -> tuple[list[mx.array], list[int], list[str]]:
             [k for _, k in weights] + ["q4_K"] * absent)
 
 
+def _common_k(weights, what: str) -> int:
+    """The input width every matrix of a one-dispatch call reads (an error if they differ)."""
+    K = _k_of(*weights[0])
+    for w, kind in weights:
+        if _k_of(w, kind) != K:
+            raise ValueError(f"{what}: matrices read {K} and {_k_of(w, kind)} columns")
+    return K
+
+
 def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> mx.array:
     """``concat([y @ W.T for W in weights], -1)`` in one dispatch; ``weights`` = [(raw rows, "q4_K"|"q6_K")].
 
@@ -413,10 +425,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     made ``y``), which then read it instead of scaling and summing ``y`` (the same bits)."""
     if not 1 <= len(weights) <= 4:
         raise ValueError(f"mul_mv_multi takes 1 to 4 matrices, got {len(weights)}")
-    K = _k_of(*weights[0])
-    for w, kind in weights:
-        if _k_of(w, kind) != K:
-            raise ValueError(f"mul_mv_multi: matrices read {K} and {_k_of(w, kind)} columns")
+    K = _common_k(weights, "mul_mv_multi")
     which = which or backend()
     if which == "cpu":
         return mx.concatenate([ORACLES[kind](y, w) for w, kind in weights], axis=-1)
@@ -480,16 +489,20 @@ def quantize_q8(y2: mx.array):
         return q, d, q.sum(axis=-1)
 
 
+def _q8_oracle_inputs(y, w, kind: str):
+    """What both q8 oracles start from: rows R, blocks per row nb, tokens T and the activations as
+    the kernels quantize them, ``quantize_q8``'s (q, dy, sy)."""
+    R, nb = w.shape[0], w.shape[1] // BLOCK_BYTES[kind]
+    y2 = _flat(y, nb * 256)
+    return (R, nb, y2.shape[0]) + quantize_q8(y2)
+
+
 def mul_mv_q4_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
     """The q8 kernels' operations in their order: per 32-value sub-block an exact integer dot, then
     ``fma(d*sc, dy*sumi, -((dmin*m) * (dy*s)))``; lane l of a row's ``lanes`` adds its runs
     l, l+lanes, ... (two sub-blocks each) in order; then the butterfly over those lanes."""
-    R, nb = w.shape[0], w.shape[1] // 144
-    K = nb * 256
-    y2 = _flat(y, K)
-    T = y2.shape[0]
+    R, nb, T, q, dy, sy = _q8_oracle_inputs(y, w, "q4_K")  # q [T, nb*8, 32], dy, sy [T, nb*8]
     with mx.stream(CPU):
-        q, dy, sy = quantize_q8(y2)  # [T, nb*8, 32], [T, nb*8]
         b = w.reshape(R, nb, 144)
         d = fp.f16(b[..., 0:2])[None, :, :, None]  # [1, R, nb, 1]
         dmin = fp.f16(b[..., 2:4])[None, :, :, None]
@@ -514,12 +527,8 @@ def mul_mv_q6_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
     the runs l, l+lanes, ... in order; then the butterfly over those lanes."""
     from ..quants import _q6_k_codes, join_q6_K
 
-    R, nb = w.shape[0], w.shape[1] // 210
-    K = nb * 256
-    y2 = _flat(y, K)
-    T = y2.shape[0]
+    R, nb, T, q, dy, _ = _q8_oracle_inputs(y, w, "q6_K_split")  # q [T, nb*8, 32], dy [T, nb*8]
     with mx.stream(CPU):
-        q, dy, _ = quantize_q8(y2)  # [T, nb*8, 32], [T, nb*8]
         d, sc, codes = _q6_k_codes(join_q6_K(w).reshape(R, nb, 210))  # [R, nb], [R, nb, 16], [R, nb, 16, 16]
         # per 16 values (g = 8h + 2k + s, the scale's index): the exact integer sc_g * sum(code * q)
         qy = q.reshape(T, 1, nb, 16, 16)
@@ -624,20 +633,14 @@ def q8_from_tail() -> bool:
     """Whether the tail before a q8 GLU also writes its output quantized (``tail_dual_eps_q8``),
     sparing the GLU's ``quantize_q8`` dispatch: ``MUSE_MLX_Q8_TAIL=1`` (default) or ``0``, and
     only where the GLU reads activations quantized beforehand (``q8=`` of :func:`mul_mv_q8`)."""
-    mode = os.environ.get("MUSE_MLX_Q8_TAIL", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"MUSE_MLX_Q8_TAIL={mode!r}: expected 1 or 0")
-    return mode == "1" and _q8_pre(("q4_K", "q4_K"), glu=True)  # a Q4_K GLU: the only call the tail feeds
+    return _switch("MUSE_MLX_Q8_TAIL", True) and _q8_pre(("q4_K", "q4_K"), glu=True)  # a Q4_K GLU reads it
 
 
 def q8_from_glu() -> bool:
     """Whether the q8 GLU before a split Q6_K ffn_down (flag mv_q8_q6k) also writes its output
     quantized (``mul_mv_q8_pre_q8out``), sparing the ffn_down's ``quantize_q8`` dispatch:
     ``MUSE_MLX_Q8_GLU_OUT=0`` (default: not yet run on a GPU) or ``1``."""
-    mode = os.environ.get("MUSE_MLX_Q8_GLU_OUT", "0")
-    if mode not in ("0", "1"):
-        raise ValueError(f"MUSE_MLX_Q8_GLU_OUT={mode!r}: expected 0 or 1")
-    return mode == "1" and _q8_pre(("q4_K", "q4_K"), glu=True)
+    return _switch("MUSE_MLX_Q8_GLU_OUT", False) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
 
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
@@ -677,10 +680,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
-    K = _k_of(*weights[0])
-    for w, kind in weights:
-        if _k_of(w, kind) != K:
-            raise ValueError(f"mul_mv_q8: matrices read {K} and {_k_of(w, kind)} columns")
+    K = _common_k(weights, "mul_mv_q8")
     which = which or backend()
     if glu is not None and (len(weights) != 2 or any(k != "q4_K" for _, k in weights)):
         raise ValueError("the q8 GLU takes two Q4_K matrices")
