@@ -107,18 +107,13 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
     # the same through the decode step (last_only): the head still takes the last tail's q8
     from muse_mlx.decode import DecodeStep
 
-    step_calls = []
-
-    def step_spy(y, weights, **kw):
-        step_calls.append(([k for _, k in weights], kw.get("q8") is not None))
-        return q8_mv(y, weights, **kw)
-
     step = DecodeStep(model, model.make_cache(), 16, compiled=False)
     step(mx.array([3]))
-    monkeypatch.setattr(K, "mul_mv_q8", step_spy)
+    calls.clear()
+    monkeypatch.setattr(K, "mul_mv_q8", spy)
     step(mx.array([7]))
     monkeypatch.undo()
-    assert step_calls[-1] == (["q6_K_split"], True) and "q8" not in model.route._forms
+    assert calls[-1] == (["q6_K_split"], True) and "q8" not in model.route._forms
     # one q8 call each, but for those among the projections (one call per layer for all of them)
     alone = [n for n in q6 if n.rsplit(".", 1)[-1] not in ("attn_q", "attn_k", "attn_v", "attn_gate")]
     assert "output" in alone and d["mul_mv_q6_K_q8"] == len(alone)
