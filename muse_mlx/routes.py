@@ -281,8 +281,9 @@ class PinnedRoute(Route):
                 self.count("mul_mv_q6_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q6_K_split")], q8=self._form_of(x, "q8"))
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
+                # x quantized by the GLU before it, if it was (mv_q8_q6k with MUSE_MLX_Q8_GLU_OUT=1)
                 self.count("mul_mv_q4_K_q8")
-                return kernels.mul_mv_q8(x, [(w.weight, "q4_K")])
+                return kernels.mul_mv_q8(x, [(w.weight, "q4_K")], q8=self._form_of(x, "q8"))
             self.count(f"mul_mv_{_KIND[w.qtype]}_f32")
             return (kernels.mul_mv_q4_K if w.qtype == T.Q4_K else kernels.mul_mv_q6_K)(x, w.weight)
         self.count("stock_linear")
@@ -361,7 +362,7 @@ class PinnedRoute(Route):
             self.count("mul_mv_q4_K_q8 (glu)")
             mats = [(gate.weight, "q4_K"), (up.weight, "q4_K")]
             if "mv_q8_q6k" in self.flags and kernels.mul_mv.q8_from_glu():
-                # its output quantized too, for a split Q6_K ffn_down (linear takes it)
+                # its output quantized too, for the ffn_down (linear takes it)
                 out, q8_out = kernels.mul_mv_q8(x, mats, glu=activation, q8=q8, q8_out=True)
                 if q8_out is not None:
                     self._forms["q8"] = (out, q8_out)

@@ -563,6 +563,9 @@ def main(argv=None) -> int:
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "
                          "q8 matvecs per geometry; sets the fastest) (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
+    ap.add_argument("--compiled-only", action="store_true", help="decode with mx.compile only (not also without it)")
+    ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: time every decode case once per value of the "
+                    "engine switch NAME (a MUSE_MLX_* variable), alternated, twice over")
     ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
     ap.add_argument("--tune", action="store_true",
@@ -570,6 +573,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write every number to this JSON file")
     args = ap.parse_args(argv)
 
+    if args.no_compile and args.compiled_only:
+        ap.error("--no-compile and --compiled-only exclude each other")
+    env_name, env_values = None, [None]
+    if args.env_ab:
+        env_name, sep, values = args.env_ab.partition("=")
+        if not sep or not env_name or not values:
+            ap.error(f"--env-ab: {args.env_ab!r} is not NAME=V1,V2,...")
+        env_values = values.split(",") * 2  # alternated, twice: a drift between runs shows as such
     g, vocab = (SMALL_GEOMETRY, SMALL_VOCAB) if args.small else (MUSE_GLIMMER_30B, RELEASE_VOCAB)
     if args.tiny:
         g, vocab = TINY_GEOMETRY, 2048
@@ -650,7 +661,8 @@ def main(argv=None) -> int:
         for flags in flag_sets(route, args.flags):
             model.set_flags(flags)
             name = route + "".join("+" + f for f in flags)
-            compiles = [False] if (args.no_compile or K.backend() == "cpu" or route == "stock") else [True, False]
+            compiles = [False] if (args.no_compile or K.backend() == "cpu" or route == "stock") else \
+                [True] if args.compiled_only else [True, False]
             entry = dict(route=name, load_s=load_s, weight_bytes=wbytes, loaded_peak_bytes=loaded_peak,
                          file_bytes=file_bytes, decode=[])
             mx.reset_peak_memory()
@@ -660,17 +672,21 @@ def main(argv=None) -> int:
                     f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
             else:
                 log(f"  {name}:")
-            for compiled in compiles:
-                for ctx in contexts:
-                    n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
+            for compiled, ctx, env_value in [(c, x, v) for c in compiles for x in contexts for v in env_values]:
+                n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
+                with env(env_name, env_value) if env_name is not None else contextlib.nullcontext():
                     r = decode_rate(model, ctx, n_tok, args.runs, compiled if model.route.fast_decode(model.cfg) else None, rng)
-                    r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
-                             of_roofline=r["tok_s"] / (bw / wbytes))
-                    entry["decode"].append(r)
-                    log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}: {r['tok_s']:7.1f} tok/s = "
-                        f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}; "
-                        f"per token {r['host_ms']:.2f} ms building and queueing (MLX's own waits included), "
-                        f"{r['wait_ms']:.2f} ms waiting in item()")
+                r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
+                         of_roofline=r["tok_s"] / (bw / wbytes))
+                setting = ""
+                if env_name is not None:
+                    r["env"] = {env_name: env_value}
+                    setting = f" {env_name}={env_value}"
+                entry["decode"].append(r)
+                log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}{setting}: {r['tok_s']:7.1f} tok/s = "
+                    f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}; "
+                    f"per token {r['host_ms']:.2f} ms building and queueing (MLX's own waits included), "
+                    f"{r['wait_ms']:.2f} ms waiting in item()")
             entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
             if contexts:
                 log(f"    decode peak memory {entry['peak_bytes'] / 1e9:.1f} GB = "

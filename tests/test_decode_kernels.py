@@ -463,6 +463,25 @@ def test_q8_pre_kernel(geometry, monkeypatch):
 
 
 @emulator
+@pytest.mark.parametrize("geometry", ["2x4x4x1", "4x4x32x1"])
+def test_q8_calls_handed_their_activations_quantized_take_the_pre_kernel(geometry, monkeypatch):
+    """With MUSE_MLX_Q8_PRE at its default (the GLU), an all-Q4_K call that is handed its
+    activations quantized (by the tail or the GLU before it, flag mv_q8_q6k) reads them through
+    mul_mv_q8_pre: its lanes per row give the bits, on the emulator and on the CPU, and with
+    MUSE_MLX_Q8_PRE=0 it quantizes per threadgroup as before."""
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
+    lanes = int(geometry.split("x")[2])
+    y = arr(1, 2048)
+    a, c = qrows(40, 2048, "q4_K"), qrows(8, 2048, "q4_K")
+    q8 = mul_mv.quantize_q8_rows(y, which="cpu")
+    want = mx.concatenate([mul_mv.mul_mv_q4_K_q8_oracle(y, a, lanes), mul_mv.mul_mv_q4_K_q8_oracle(y, c, lanes)], -1)
+    assert_bits_equal(emulate_recorded(K.mul_mv_q8, y, [(a, "q4_K"), (c, "q4_K")], q8=q8), want)
+    assert_bits_equal(K.mul_mv_q8(y, [(a, "q4_K"), (c, "q4_K")], q8=q8, which="cpu"), want)
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")
+    assert_bits_equal(K.mul_mv_q8(y, [(a, "q4_K")], q8=q8, which="cpu"), mul_mv.mul_mv_q4_K_q8_oracle(y, a))
+
+
+@emulator
 def test_q8_pre_kernel_at_32_lanes_is_the_per_threadgroup_kernel(monkeypatch):
     y, a, b = arr(1, 1024), qrows(40, 1024, "q4_K"), qrows(40, 1024, "q4_K")
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "2x4x32")

@@ -130,36 +130,42 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
         model.set_flags(["mv_q8_q6k"])
 
 
-def test_q8_glu_output_feeds_the_split_ffn_down(tiny, monkeypatch):
-    """MUSE_MLX_Q8_GLU_OUT=1 (with mv_q8_q6k): the GLU also returns its output quantized and a split
-    Q6_K ffn_down after it takes that instead of quantizing (on the CPU both are quantize_q8's
-    oracle, so the decoded logits are the same bits; the kernel's q8 is
-    test_decode_kernels.py::test_q8_glu_writes_its_output_quantized). A Q4_K ffn_down, whose q8
-    kernel quantizes per threadgroup, leaves it untaken."""
+def test_q8_glu_output_feeds_the_ffn_down(tiny, monkeypatch):
+    """MUSE_MLX_Q8_GLU_OUT=1 (with mv_q8_q6k): the GLU also returns its output quantized and every
+    ffn_down after it takes that instead of quantizing: a split Q6_K one, which quantized it in a
+    dispatch of its own before, and a Q4_K one, which then takes mul_mv_q8_pre's lanes instead of
+    quantizing per threadgroup (whose bits may differ from those of the run without it). So the logits are those of the GLU_OUT=0 run whose ffn_downs are
+    handed quantize_q8's words of their input, bit for bit (on the CPU the GLU's q8 is quantize_q8's
+    oracle; the kernel's is test_decode_kernels.py::test_q8_glu_writes_its_output_quantized)."""
     from muse_mlx.layers import QLinear
 
     model = load_model(tiny("muse-glimmer"), "pinned", ["mv_q8", "mv_q8_q6k"])
     model.kv_dtype = mx.float16
     split_downs = sum(1 for b in model.blk if isinstance(b.ffn_down, QLinear) and b.ffn_down.form == "q6_K_split")
     assert 0 < split_downs < model.cfg.n_layer
+    n_ff = model.cfg.n_ff
     out, given = {}, {}
     q8_mv = K.mul_mv_q8
-    for mode in ("0", "1"):
+    for mode, hand in (("0", False), ("1", False), ("0", True)):
         monkeypatch.setenv("MUSE_MLX_Q8_GLU_OUT", mode)
         cache = model.make_cache()
         model(mx.array([TOKENS[:5]]), cache)
         calls = []
 
         def spy(y, weights, **kw):
-            calls.append((weights[0][1], len(weights), kw.get("glu") is not None, kw.get("q8") is not None))
+            down = len(weights) == 1 and kw.get("glu") is None and y.shape[-1] == n_ff
+            if hand and down and kw.get("q8") is None:
+                kw["q8"] = K.mul_mv.quantize_q8_rows(y)
+            calls.append((down, weights[0][1], kw.get("q8") is not None))
             return q8_mv(y, weights, **kw)
 
         monkeypatch.setattr(K, "mul_mv_q8", spy)
-        out[mode] = np.array(model(mx.array([[7]]), cache))
+        out[mode, hand] = np.array(model(mx.array([[7]]), cache))
         monkeypatch.setattr(K, "mul_mv_q8", q8_mv)
-        given[mode] = sum(1 for kind, n, glu, q8 in calls if kind == "q6_K_split" and n == 1 and q8) - 1  # not the head
-    assert given == {"0": 0, "1": split_downs}
-    np.testing.assert_array_equal(out["0"].view(np.uint32), out["1"].view(np.uint32))
+        given[mode, hand] = [kind for down, kind, q8 in calls if down and q8]
+    assert given["0", False] == []
+    assert len(given["1", False]) == model.cfg.n_layer and given["1", False].count("q6_K_split") == split_downs
+    np.testing.assert_array_equal(out["1", False].view(np.uint32), out["0", True].view(np.uint32))
     monkeypatch.setenv("MUSE_MLX_Q8_GLU_OUT", "maybe")
     with pytest.raises(ValueError, match="MUSE_MLX_Q8_GLU_OUT"):
         model(mx.array([[7]]), model.make_cache())

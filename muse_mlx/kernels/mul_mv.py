@@ -611,12 +611,14 @@ def q8_pre_geometry(which: str, call: str = "glu") -> tuple[int, int, int, int]:
     return nr0, nsg, lpr, u
 
 
-def _q8_pre(kinds, glu: bool) -> bool:
+def _q8_pre(kinds, glu: bool, quantized: bool = False) -> bool:
     """Whether a call on matrices of these kinds takes quantize_q8 + mul_mv_q8_pre: by
     default the GLU, where it is the faster on the H200 (the per-threadgroup kernel was faster on
-    the other calls, measured inside the decode: docs/performance.md); ``MUSE_MLX_Q8_PRE=all``:
-    every all-Q4_K call, ``0``: none. A call with a split Q6_K matrix (flag mv_q8_q6k) always takes
-    it, the only kernel that reads that form."""
+    the other calls, measured inside the decode: docs/performance.md), and any all-Q4_K call whose
+    activations come ``quantized`` already (by the kernel before it: no quantize_q8 dispatch, and
+    mul_mv_q8_pre was the faster kernel on every such call, ``MUSE_MLX_Q8_PRE=all``'s trace);
+    ``MUSE_MLX_Q8_PRE=all``: every all-Q4_K call, ``0``: none. A call with a split Q6_K matrix
+    (flag mv_q8_q6k) always takes it, the only kernel that reads that form."""
     mode = os.environ.get("MUSE_MLX_Q8_PRE", "glu").lower()
     if mode not in ("glu", "all", "0"):
         raise ValueError(f"MUSE_MLX_Q8_PRE={mode!r}: expected glu, all or 0")
@@ -626,7 +628,7 @@ def _q8_pre(kinds, glu: bool) -> bool:
         return True
     if mode == "0" or any(k != "q4_K" for k in kinds):
         return False
-    return mode == "all" or glu
+    return mode == "all" or glu or quantized
 
 
 def q8_from_tail() -> bool:
@@ -637,8 +639,9 @@ def q8_from_tail() -> bool:
 
 
 def q8_from_glu() -> bool:
-    """Whether the q8 GLU before a split Q6_K ffn_down (flag mv_q8_q6k) also writes its output
-    quantized (``mul_mv_q8_pre_q8out``), sparing the ffn_down's ``quantize_q8`` dispatch:
+    """Whether the q8 GLU (flag mv_q8_q6k) also writes its output quantized
+    (``mul_mv_q8_pre_q8out``) for the ffn_down after it, sparing a split Q6_K ffn_down's
+    ``quantize_q8`` dispatch and letting a Q4_K one take ``mul_mv_q8_pre``:
     ``MUSE_MLX_Q8_GLU_OUT=0`` (default: not yet run on a GPU) or ``1``."""
     return _switch("MUSE_MLX_Q8_GLU_OUT", False) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
@@ -675,7 +678,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     bits; see :func:`_q8_pre`); the rest, ``mul_mv_q4_K_q8_multi`` (32 lanes per row). ``q8``: ``y``
     already quantized, as :func:`quantize_q8_rows` returns it (from
     :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a call that takes the activations quantized
-    once; otherwise ignored. ``q8_out`` (a GLU only): return ``(output, q8)``, the output also
+    once, which an all-Q4_K call then takes too (see :func:`_q8_pre`); otherwise ignored. ``q8_out`` (a GLU only): return ``(output, q8)``, the output also
     quantized as :func:`quantize_q8_rows` quantizes it, by the GLU itself where it can
     (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
@@ -687,7 +690,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     if q8_out and glu is None:
         raise ValueError("q8_out is for the q8 GLU (glu=...) only")
     kinds = [k for _, k in weights]
-    pre = _q8_pre(kinds, glu is not None)
+    pre = _q8_pre(kinds, glu is not None, quantized=q8 is not None)
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
     if pre:
         nr0, nsg, lpr, u = q8_pre_geometry(which, call)
