@@ -281,7 +281,7 @@ class PinnedRoute(Route):
                 self.count("mul_mv_q6_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q6_K_split")], q8=self._form_of(x, "q8"))
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
-                # x quantized by the GLU before it, if it was (mv_q8_q6k with MUSE_MLX_Q8_GLU_OUT=1)
+                # x quantized by the GLU before it, if it was (mv_q8_q6k, unless MUSE_MLX_Q8_GLU_OUT=0)
                 self.count("mul_mv_q4_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q4_K")], q8=self._form_of(x, "q8"))
             self.count(f"mul_mv_{_KIND[w.qtype]}_f32")

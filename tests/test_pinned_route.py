@@ -131,7 +131,7 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
 
 
 def test_q8_glu_output_feeds_the_ffn_down(tiny, monkeypatch):
-    """MUSE_MLX_Q8_GLU_OUT=1 (with mv_q8_q6k): the GLU also returns its output quantized and every
+    """MUSE_MLX_Q8_GLU_OUT=1 (the default, with mv_q8_q6k): the GLU also returns its output quantized and every
     ffn_down after it takes that instead of quantizing: a split Q6_K one, which quantized it in a
     dispatch of its own before, and a Q4_K one, which then takes mul_mv_q8_pre's lanes instead of
     quantizing per threadgroup (whose bits may differ from those of the run without it). So the logits are those of the GLU_OUT=0 run whose ffn_downs are
@@ -146,8 +146,11 @@ def test_q8_glu_output_feeds_the_ffn_down(tiny, monkeypatch):
     n_ff = model.cfg.n_ff
     out, given = {}, {}
     q8_mv = K.mul_mv_q8
-    for mode, hand in (("0", False), ("1", False), ("0", True)):
-        monkeypatch.setenv("MUSE_MLX_Q8_GLU_OUT", mode)
+    for mode, hand in (("0", False), ("1", False), ("0", True), (None, False)):
+        if mode is None:
+            monkeypatch.delenv("MUSE_MLX_Q8_GLU_OUT")
+        else:
+            monkeypatch.setenv("MUSE_MLX_Q8_GLU_OUT", mode)
         cache = model.make_cache()
         model(mx.array([TOKENS[:5]]), cache)
         calls = []
@@ -165,6 +168,7 @@ def test_q8_glu_output_feeds_the_ffn_down(tiny, monkeypatch):
         given[mode, hand] = [kind for down, kind, q8 in calls if down and q8]
     assert given["0", False] == []
     assert len(given["1", False]) == model.cfg.n_layer and given["1", False].count("q6_K_split") == split_downs
+    assert given[None, False] == given["1", False]  # on by default
     np.testing.assert_array_equal(out["1", False].view(np.uint32), out["0", True].view(np.uint32))
     monkeypatch.setenv("MUSE_MLX_Q8_GLU_OUT", "maybe")
     with pytest.raises(ValueError, match="MUSE_MLX_Q8_GLU_OUT"):

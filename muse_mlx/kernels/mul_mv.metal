@@ -910,7 +910,7 @@ MUSE_FN float lane_group_sum(float v) {
     }
 
 // ==== part: q8_out
-// OPT-IN, NOT EXACT (flag mv_q8_q6k, MUSE_MLX_Q8_GLU_OUT=1): appended to mul_mv_q8_pre's body
+// OPT-IN, NOT EXACT (flag mv_q8_q6k; MUSE_MLX_Q8_GLU_OUT=0 turns it off): appended to mul_mv_q8_pre's body
 // (kernel mul_mv_q8_pre_q8out, GLU = 1), so that the GLU also writes its output as quantize_q8
 // would, for the ffn_down after it: one dispatch fewer per layer. After a barrier that makes this
 // threadgroup's writes to dst visible to all its threads, one thread per group of 32 rows reads
