@@ -386,6 +386,8 @@ def trace_chain(n: int, library: str | None):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--file", required=True, help="checkpoint path (a synthetic release-geometry file is made if missing)")
+    ap.add_argument("--thin", action="store_true", help="the file is bench.py --thin's geometry (the release layers "
+                    "and heads, narrow matrices): the host's side with almost no work in the kernels")
     ap.add_argument("--route", default="pinned", help="route to load (default: %(default)s)")
     ap.add_argument("--flags", default="", help="comma-separated flag sets, '+' inside one, an empty set is no "
                     "flags: ',mv_q8' traces both (default: no flags)")
@@ -431,7 +433,8 @@ def main(argv=None) -> int:
     if args.host:
         enable_nvtx(args.cupti)
     path = Path(args.file)
-    ensure_synthetic(path, MUSE_GLIMMER_30B, RELEASE_VOCAB, "q4_k_m", 0)
+    ensure_synthetic(path, *((bench.THIN_GEOMETRY, bench.THIN_VOCAB) if args.thin else (MUSE_GLIMMER_30B, RELEASE_VOCAB)),
+                     "q4_k_m", 0)
     flag_sets = bench.flag_sets(args.route, args.flags)
     out = dict(file=str(path), mlx=mx.__version__, cases=[])
     chain = summarize(trace_chain(200, args.cupti), 1)
