@@ -385,7 +385,7 @@ def trace_chain(n: int, library: str | None):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--file", required=True, help="checkpoint path (a synthetic release-geometry file is made if missing)")
+    ap.add_argument("--file", required=True, help="checkpoint path (a synthetic file of the release geometry, or of --thin's, is made if missing)")
     ap.add_argument("--thin", action="store_true", help="the file is bench.py --thin's geometry (the release layers "
                     "and heads, narrow matrices): the host's side with almost no work in the kernels")
     ap.add_argument("--route", default="pinned", help="route to load (default: %(default)s)")
