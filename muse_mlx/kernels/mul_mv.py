@@ -676,12 +676,6 @@ class Tail(NamedTuple):
     counter: mx.array
 
 
-# Resident warps per SM the matvec + tail kernels are compiled for on CUDA (launch bounds;
-# MUSE_MLX_TAIL_WARPS=N overrides, 0 for none): the tail holds three float4s per value it plays,
-# 220 registers unbounded, 8 warps per SM, where the plain few-row calls run at 63-107 and 16
-TAIL_WARPS = 16
-
-
 def arrival_counter() -> mx.array:
     """A zeroed count for :class:`Tail` (four uint32s in device memory; element 0 counts). The
     kernel leaves it at 0 again, so one counter serves launches that run one after another."""
@@ -799,9 +793,6 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
                    _eps(tail.eps2), tail.counter]
         tail_shapes = [tail.hidden.shape, tail.hidden.shape, (R // 4,), (R // 16,)]
         template += [("NTG", groups), ("NTH", nth)]
-        # the tail's registers (it holds three float4s per played value) must not cost the matvec
-        # its resident warps: bounded for 16 warps per SM, where the plain few-row calls run
-        launch["min_blocks"] = _bounded_warps(which, nsg, TAIL_WARPS, "MUSE_MLX_TAIL_WARPS", "the matvec + tail") // nsg
     if pre:
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]

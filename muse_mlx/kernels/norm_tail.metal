@@ -54,73 +54,55 @@ MUSE_FN void tail_row_played(device const float* hidden, device const float* src
     device const float4* w24 = (device const float4*)weight2;
     device float4* hout4 = (device float4*)hidden_out;
     device float4* out4 = (device float4*)output;
-    // One thread plays J x PER float4s, so every round trip to memory costs the whole threadgroup:
-    // each load is issued as early as its registers allow, never behind a reduction it does not
-    // need (src and hidden first, weight2 before the second reduction).
-    float4 sv[J][PER], hv[J][PER], wv[J][PER];
+    float4 sv[J][PER], hv[J][PER];
     for (uint j = 0; j < J; ++j)
         for (uint k = 0; k < PER; ++k) {
             const uint i = (sgitg + NSGR * j) * 32u + tiisg + k * NTH;
-            if (sgitg + NSGR * j < NV && i < n4) { sv[j][k] = coherent_load(s4 + i); hv[j][k] = h4[i]; }
+            if (sgitg + NSGR * j < NV && i < n4) sv[j][k] = coherent_load(s4 + i);
         }
 
-    // kernel_rms_norm_mul_add over src: each played thread's sum, the played SIMD groups' simd_sum
-    // in their slots, then the sum of the slots
-    float part[J];
-    for (uint j = 0; j < J; ++j) {
-        const uint vs = sgitg + NSGR * j;
-        part[j] = 0.0f;
-        for (uint k = 0; k < PER; ++k)
-            if (vs < NV && vs * 32u + tiisg + k * NTH < n4) part[j] += dot(sv[j][k], sv[j][k]);
-    }
-    for (uint j = 0; j < J; ++j)
-        if (sgitg + NSGR * j < NV) part[j] = simd_sum(part[j]);  // the same for the whole SIMD group
+    // kernel_rms_norm_mul_add over src; the played SIMD groups' partials in their slots
     if (sgitg == 0) shmem[tiisg] = 0.0f;
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint j = 0; j < J; ++j)
-        if (tiisg == 0 && sgitg + NSGR * j < NV) shmem[sgitg + NSGR * j] = part[j];
+    for (uint j = 0; j < J; ++j) {
+        const uint vs = sgitg + NSGR * j;
+        if (vs >= NV) break;  // the same for the whole SIMD group
+        float sumf = 0.0f;
+        for (uint k = 0; k < PER; ++k)
+            if (vs * 32u + tiisg + k * NTH < n4) sumf += dot(sv[j][k], sv[j][k]);
+        sumf = simd_sum(sumf);
+        if (tiisg == 0) shmem[vs] = sumf;
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const float scale1 = 1.0f / sqrt(simd_sum(shmem[tiisg]) / float(N) + e1);
 
-    for (uint j = 0; j < J; ++j)
-        for (uint k = 0; k < PER; ++k) {
-            const uint i = (sgitg + NSGR * j) * 32u + tiisg + k * NTH;
-            if (sgitg + NSGR * j < NV && i < n4) wv[j][k] = w14[i];
-        }
-    for (uint j = 0; j < J; ++j) {
-        const uint vs = sgitg + NSGR * j;
-        part[j] = 0.0f;
-        for (uint k = 0; k < PER; ++k) {
-            const uint i = vs * 32u + tiisg + k * NTH;
-            if (vs < NV && i < n4) { hv[j][k] = fma(sv[j][k] * scale1, wv[j][k], hv[j][k]); hout4[i] = hv[j][k]; }
-        }
-        for (uint k = 0; k < PER; ++k)
-            if (vs < NV && vs * 32u + tiisg + k * NTH < n4) part[j] += dot(hv[j][k], hv[j][k]);
-    }
-    for (uint j = 0; j < J; ++j)
-        for (uint k = 0; k < PER; ++k) {
-            const uint i = (sgitg + NSGR * j) * 32u + tiisg + k * NTH;
-            if (sgitg + NSGR * j < NV && i < n4) wv[j][k] = w24[i];
-        }
-
     // kernel_rms_norm_mul over the new hidden (every thread has read the slots before they are zeroed)
-    for (uint j = 0; j < J; ++j)
-        if (sgitg + NSGR * j < NV) part[j] = simd_sum(part[j]);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (sgitg == 0) shmem[tiisg] = 0.0f;
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint j = 0; j < J; ++j)
-        if (tiisg == 0 && sgitg + NSGR * j < NV) shmem[sgitg + NSGR * j] = part[j];
+    for (uint j = 0; j < J; ++j) {
+        const uint vs = sgitg + NSGR * j;
+        if (vs >= NV) break;
+        for (uint k = 0; k < PER; ++k) {
+            const uint i = vs * 32u + tiisg + k * NTH;
+            if (i < n4) { hv[j][k] = fma(sv[j][k] * scale1, w14[i], h4[i]); hout4[i] = hv[j][k]; }
+        }
+        float sumf = 0.0f;
+        for (uint k = 0; k < PER; ++k)
+            if (vs * 32u + tiisg + k * NTH < n4) sumf += dot(hv[j][k], hv[j][k]);
+        sumf = simd_sum(sumf);
+        if (tiisg == 0) shmem[vs] = sumf;
+    }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const float scale2 = 1.0f / sqrt(simd_sum(shmem[tiisg]) / float(N) + e2);
     for (uint j = 0; j < J; ++j) {
         const uint vs = sgitg + NSGR * j;
-        if (vs >= NV) break;  // the same for the whole SIMD group
+        if (vs >= NV) break;
         for (uint k = 0; k < PER; ++k) {
             const uint i = vs * 32u + tiisg + k * NTH;
             const bool live = i < n4;
             float4 o = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (live) { o = (hv[j][k] * scale2) * wv[j][k]; out4[i] = o; }
+            if (live) { o = (hv[j][k] * scale2) * w24[i]; out4[i] = o; }
             q8_quad_store(o, live, i, qy, ds);
         }
     }
