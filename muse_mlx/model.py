@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .decode import position_array
 from .layers import Norm
 from .routes import Route
-from .trace import tap, tracing
+from .trace import tap
 
 
 def attention_mask(T: int, offset: int, n_kept: int, window: int):
@@ -104,7 +104,7 @@ class Block(nn.Module):
         o = tap("attn_out", o.transpose(0, 2, 1, 3).reshape(B, T, cfg.q_width), il)
         if gate is not None:
             o = tap("attn_gated", route.attn_gate(o, gate), il)
-        return o  # attn_output's input: the block projects it and runs the tail (_project_and_tail)
+        return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 
     def decode_attention(self, a: mx.array, route: Route, cache, pos: mx.array, slot) -> mx.array:
         """One new token (batch 1) straight into the cache planes, in as few dispatches as the route has.
@@ -131,7 +131,8 @@ class Block(nn.Module):
         cache.write_token(kv, slot)
         o = route.attn_decode(qk, cache.kv, pos, cache.decode_geometry(), scale, H,
                               y if cfg.attn_gate else None, qw + 2 * kw, (1, 1, qw))
-        return tap("attn_gated" if cfg.attn_gate else "attn_out", o, il)  # attn_output's input, as attention()
+        o = tap("attn_gated" if cfg.attn_gate else "attn_out", o, il)
+        return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 
     def qk_norm_weights(self) -> mx.array:
         """``[n_head + n_head_kv, head_dim]``: the Q-norm weight per query head, then the K-norm per KV head."""
@@ -167,15 +168,6 @@ class Block(nn.Module):
             scale=self.rope_scale, offset=offset,
         )
 
-    def _project_and_tail(self, route: Route, x, w, name: str, hidden, post, nxt, part: str, **kw):
-        """``x @ w`` (tapped as ``name``) and the residual tail after it: ``(projected, hidden,
-        normed)``, in one dispatch where the route fuses them -- but not under a trace, whose edit of
-        the projection must reach the tail (the fused kernel gives the same bits either way)."""
-        if tracing():
-            d = tap(name, route.linear(x, w), self.layer)
-            return (d, *route.residual_norm(hidden, d, post, nxt, **kw))
-        return route.linear_residual_norm(x, w, hidden, post, nxt, (self.layer, part), **kw)
-
     def __call__(self, hidden, a, route: Route, mask, cache, next_norm: Norm, kv_dtype=mx.float16, decode=None):
         il, last = self.layer, self.layer + 1 == self.cfg.n_layer
         if decode is not None:
@@ -183,13 +175,12 @@ class Block(nn.Module):
         else:
             o = self.attention(a, route, mask, cache, kv_dtype)
         post = self.post_attention_norm if self.cfg.post_norm_eps is not None else None
-        _, hidden, f = self._project_and_tail(route, o, self.attn_output, "attn_o_proj", hidden, post, self.ffn_norm,
-                                              "attn", feeds_ffn=True)
+        hidden, f = route.residual_norm(hidden, o, post, self.ffn_norm, feeds_ffn=True)
         hidden, f = tap("ffn_inp", hidden, il), tap("ffn_norm", f, il)
         mid = tap("ffn_act", route.ffn_gate_up(f, self.ffn_gate, self.ffn_up, self.cfg.activation), il)
+        d = tap("ffn_out", route.linear(mid, self.ffn_down), il)
         post = self.post_ffw_norm if self.cfg.post_norm_eps is not None else None
-        _, hidden, a = self._project_and_tail(route, mid, self.ffn_down, "ffn_out", hidden, post, next_norm, "ffn",
-                                              feeds_head=last)
+        hidden, a = route.residual_norm(hidden, d, post, next_norm, feeds_head=last)
         # the next layer's pre-norm comes out of this tail (or the output norm, after the last)
         return tap("l_out", hidden, il), tap("result_norm" if last else "attn_norm", a, -1 if last else il + 1)
 

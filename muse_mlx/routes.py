@@ -108,14 +108,6 @@ class Route:
     def linear(self, x: mx.array, w: QLinear) -> mx.array:
         raise NotImplementedError
 
-    def linear_residual_norm(self, x: mx.array, w: QLinear, hidden: mx.array, post: Norm | None, nxt: Norm,
-                             site: tuple, feeds_ffn: bool = False, feeds_head: bool = False):
-        """:meth:`linear` of ``x`` and then :meth:`residual_norm` of the result:
-        ``(projected, hidden, normed)``. ``site`` names the call's place in the model, ``(layer,
-        "attn" | "ffn")``, for a route that runs the two as one kernel (which keeps state per site)."""
-        d = self.linear(x, w)
-        return (d, *self.residual_norm(hidden, d, post, nxt, feeds_ffn=feeds_ffn, feeds_head=feeds_head))
-
     def embed(self, table, tokens: mx.array) -> mx.array:
         """Embedding rows, dequantized exactly (:class:`~muse_mlx.layers.QEmbedding`)."""
         return table(tokens)
@@ -217,8 +209,6 @@ class PinnedRoute(Route):
         # a tail's output in a matvec's input form, per form ("q8" for the q8 GLU, "q4_K" prepared
         # for the exact Q4_K lanes): (output, form) until the matvec after the tail takes it
         self._forms: dict[str, tuple] = {}
-        # per (layer, "attn" | "ffn"): the count of a matvec whose last threadgroup runs the tail
-        self._counters: dict[tuple, mx.array] = {}
         self._stock = StockRoute()
 
     def configure(self, cfg):
@@ -268,34 +258,6 @@ class PinnedRoute(Route):
             return hidden, out
         self.count("fused_norm_residual_rms_norm_batch_dual_eps")
         return kernels.tail_dual_eps(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry)
-
-    def linear_residual_norm(self, x, w, hidden, post, nxt, site, feeds_ffn=False, feeds_head=False):
-        fused = self._tail_in_matvec(x, w, hidden, post, nxt, site)
-        if fused is None:
-            return super().linear_residual_norm(x, w, hidden, post, nxt, site, feeds_ffn, feeds_head)
-        d, hidden, out, q8 = fused
-        self._forms["q8"] = (out, q8)
-        return d, hidden, out
-
-    def _tail_in_matvec(self, x, w, hidden, post, nxt, site):
-        """With mv_q8_q6k, where every tail writes its output quantized: the q8 matvec whose last
-        threadgroup also runs the tail (``mul_mv_q8(tail=)``, the same bits as the two dispatches),
-        as ``(projected, hidden, normed, q8)``; None where the two run apart."""
-        q8_matvec = w.form == "q6_K_split" or (w.form == "blocks" and w.qtype == T.Q4_K)
-        if (post is None or "mv_q8_q6k" not in self.flags or "tail_32sg" in self.flags or not q8_matvec
-                or self._batched(x) or hidden.shape[-1] % 32 or not kernels.mul_mv.q8_from_tail()
-                or not kernels.mul_mv.tail_fusion(kernels.backend())):
-            return None
-        if site not in self._counters:
-            self._counters[site] = kernels.mul_mv.arrival_counter()
-        out, held = self._forms.get("q8", (None, None))  # taken only if the fused launch runs
-        kind = "q6_K_split" if w.form == "q6_K_split" else "q4_K"
-        tail = kernels.mul_mv.Tail(hidden, post.gamma, nxt.gamma, post.eps, nxt.eps, self.geometry, self._counters[site])
-        fused = kernels.mul_mv_q8(x, [(w.weight, kind)], q8=held if out is x else None, tail=tail)
-        if fused is not None:
-            self._forms.pop("q8", None)
-            self.count(f"mul_mv_{'q6_K' if kind == 'q6_K_split' else 'q4_K'}_q8 + tail")
-        return fused
 
     def _form_of(self, x, form: str):
         """``x`` in the input form ``form``, if the tail that made it wrote that form (taken once)."""

@@ -27,11 +27,6 @@ def tap(name: str, x: mx.array, layer: int = -1) -> mx.array:
     return trace.record(name, layer, x)
 
 
-def tracing() -> bool:
-    """Whether a trace is active (its edits may change what a tap returns)."""
-    return _ACTIVE.get() is not None
-
-
 @dataclass
 class Trace:
     """Collects ``(layer, name, value)`` in execution order while active (``with Trace() as t``).

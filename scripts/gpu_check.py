@@ -421,63 +421,6 @@ def check_q8_q6k(rng, quick):
                 mx.view(want_qy, mx.float32))
 
 
-def check_tail_fused(rng, quick):
-    """The opt-in flag mv_q8_q6k's matvecs that run the norm tail in their last threadgroup
-    (mul_mv_q8_pre_tail, mul_mv_q4_K_q8_multi_tail): every output bit for bit the matvec's and then
-    tail_dual_eps_q8's, as two launches on this GPU, for attn_output (Q4_K, activations quantized per
-    threadgroup) and ffn_down (Q4_K and split Q6_K, on the GLU's q8) at the release shapes; the
-    counter back at 0 after; 64 launches chained on one counter in one graph (each one's hidden the
-    last one's), against the same chain of pairs; and a tiny model's compiled decode with and without
-    (MUSE_MLX_TAIL_FUSED), logits bit for bit."""
-    from muse_mlx import load_model
-    from muse_mlx.decode import DecodeStep
-    from muse_mlx.quants import split_q6_K
-    from muse_mlx.writer import write_tiny
-
-    D, ff, qw = (6656, 19968, 4096) if not quick else (512, 768, 256)
-    cases = (("attn_output", random_blocks(D, qw, T.Q4_K, rng), "q4_K", randn(rng, 1, 1, qw), False),
-             ("ffn_down", random_blocks(D, ff, T.Q4_K, rng), "q4_K", randn(rng, 1, 1, ff), True),
-             ("ffn_down", split_q6_K(random_blocks(D, ff, T.Q6_K, rng)), "q6_K_split", randn(rng, 1, 1, ff), True))
-    w1, w2 = randn(rng, D), mx.concatenate([mx.zeros((32,)), randn(rng, D - 32)])
-    for name, w, kind, y, quantized in cases:
-        q8 = gpu(mul_mv.quantize_q8_rows, y) if quantized else None
-        tail = mul_mv.Tail(randn(rng, 1, 1, D), w1, w2, 1e-6, 1e-6, "seeds", mul_mv.arrival_counter())
-        fused = gpu(K.mul_mv_q8, y, [(w, kind)], q8=q8, tail=tail)
-        if fused is None:
-            compare("matvec + tail (opt-in mv_q8_q6k)", f"{name} {kind}", mx.array([1.0]), mx.array([0.0]),
-                    note="no fused launch at this geometry")
-            continue
-        out = gpu(K.mul_mv_q8, y, [(w, kind)], q8=q8)
-        hid, normed, (qy, ds) = gpu(K.tail_dual_eps_q8, tail.hidden, out, w1, w2, 1e-6, 1e-6, "seeds")
-        case = f"{name} {kind} {D}x{y.shape[-1]}"
-        for what, got, want in (("output", fused[0], out), ("hidden", fused[1], hid), ("normed", fused[2], normed),
-                                ("d, sum q", fused[3][1], ds),
-                                ("int8 words", mx.view(fused[3][0], mx.float32), mx.view(qy, mx.float32))):
-            compare(f"matvec + tail {what} (opt-in mv_q8_q6k)", case, got, want)
-        compare("matvec + tail: counter back at 0", case, tail.counter.astype(mx.float32), mx.zeros((4,)))
-        h_f = h_p = tail.hidden
-        for _ in range(64):  # one graph: nothing evaluated until the end
-            h_f = K.mul_mv_q8(y, [(w, kind)], q8=q8, tail=tail._replace(hidden=h_f), which=WHICH)[1]
-            h_p = K.tail_dual_eps_q8(h_p, out, w1, w2, 1e-6, 1e-6, "seeds", which=WHICH)[0]
-        compare("matvec + tail, 64 chained on one counter", case, h_f, h_p)
-        compare("matvec + tail: counter back at 0 after 64", case, tail.counter.astype(mx.float32), mx.zeros((4,)))
-        del w, fused
-    with tempfile.TemporaryDirectory() as tmp:
-        model = load_model(write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer"), "pinned", ["mv_q8", "mv_q8_q6k"])
-    tokens = [int(t) for t in rng.integers(0, model.cfg.vocab_size, 40)]
-    outs = {}
-    for mode in ("0", "1"):
-        with env("MUSE_MLX_TAIL_FUSED", mode):
-            model.route.dispatches.clear()
-            cache = model.make_cache()
-            model(mx.array([tokens[:8]]), cache)
-            step = DecodeStep(model, cache, 64, compiled=True)
-            outs[mode] = mx.stack([step(mx.array([t])) for t in tokens[8:]])
-            mx.eval(outs[mode])
-    compare("decode, tails in the matvecs (opt-in mv_q8_q6k)", "tiny muse-glimmer, 32 tokens, compiled",
-            outs["1"], outs["0"])
-
-
 def edge_activations(rng, k):
     """Two tokens of ordinary activations, both with signed zeros, subnormals and tiny normals, the
     second also with values up to 2^95 (the halves form of the Q4_K lanes scales them by up to
@@ -679,7 +622,6 @@ def transcendental_ulps(rng, quick=False):
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
                 glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8, q8_q6k=check_q8_q6k,
-                tail_fused=check_tail_fused,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

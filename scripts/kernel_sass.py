@@ -389,15 +389,11 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
     for g in q6_geoms:
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
         rec(f"ffn_gate+up q6_K {FF}x{D} silu", K.mul_mv_glu, y_d, q6(FF, D), q6(FF, D), "q6_K", "silu", geometry=g)
-    # the norm tail after attn_output and ffn_down, in their last threadgroup (flag mv_q8_q6k)
-    tail = K.mul_mv.Tail(mx.zeros((1, D)), mx.zeros((D,)), mx.zeros((D,)), 1e-6, 1e-6, "seeds",
-                         mx.zeros((4,), dtype=mx.uint32))
     for g in q8_geoms:  # the kernel that quantizes per threadgroup: a mix with Q6_K, and by default
         with env("MUSE_MLX_Q8_GEOMETRY", g):  # every all-Q4_K call but the GLU
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
-            rec(f"q8 attn_output {D}x{QW} + tail", K.mul_mv_q8, mx.zeros((1, QW)), [(q4(D, QW), "q4_K")], tail=tail)
     q6s = lambda r, k: zeros_rows(r, k, "q6_K")  # noqa: E731  (the split form has the raw form's shape)
     for g in q8_pre_geoms:  # the GLU (and, forced, the rest): activations quantized once, then mul_mv_q8_pre
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g):  # the split Q6_K matrices (flag mv_q8_q6k) take it anyway
@@ -407,10 +403,6 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6s(KVW, D), "q6_K_split"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too", K.mul_mv_q8, y_d,
                 [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
-            q8_ff = (mx.zeros((FF // 4,), dtype=mx.uint32), mx.zeros((FF // 16,)))  # the GLU's q8
-            rec(f"q8 Q6_K split ffn_down {D}x{FF} + tail", K.mul_mv_q8, y_ff, [(q6s(D, FF), "q6_K_split")],
-                q8=q8_ff, tail=tail)
-            rec(f"q8 ffn_down {D}x{FF} + tail", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")], q8=q8_ff, tail=tail)
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g), env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", K.mul_mv_q8, y_d,

@@ -61,7 +61,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from muse_mlx.kernels.backend import _ADDRESS_SPACE, _THREADGROUP_POINTER, Kernel
+from muse_mlx.kernels.backend import _ADDRESS_SPACE, Kernel
 
 CXX = os.environ.get("CXX", "g++")
 # -O1 without -ffast-math keeps every IEEE operation as written; -fno-strict-aliasing because
@@ -386,13 +386,6 @@ inline float simd_max(float v) {
   return v;
 }
 
-// prelude.cuh's hand-off to the last threadgroup. Blocks run one at a time here, in grid order,
-// so a plain count is exact, memory needs no fence, and the last block is the last of the grid.
-inline uint device_arrive(const uint* counter) { return (*const_cast<uint*>(counter))++; }
-inline void device_acquire() {}
-inline void device_reset(const uint* counter) { *const_cast<uint*>(counter) = 0u; }
-inline float4 coherent_load(const float4* p) { return *p; }
-
 }  // namespace muse_emu
 """
 
@@ -436,7 +429,7 @@ def to_cpu(metal_text: str) -> str:
     bad = _THREADGROUP_INIT.search(_COMMENT.sub("", metal_text))
     if bad:
         raise EmulatorError(f"a threadgroup variable with an initializer cannot be emulated: {bad.group(0)!r}")
-    return _ADDRESS_SPACE.sub(lambda m: _SPELLING[m.group(1)], _THREADGROUP_POINTER.sub("", metal_text))
+    return _ADDRESS_SPACE.sub(lambda m: _SPELLING[m.group(1)], metal_text)
 
 
 def translation_unit(kernel: Kernel, input_dtypes, output_dtypes, template) -> str:

@@ -379,60 +379,6 @@ def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
         K.mul_mv_q8(y, mats[:1], q8_out=True, which="cpu")
 
 
-def fused_tail_case(rows, k, kind, geometry):
-    """A matvec of ``rows`` rows (the ffn_down or attn_output shape) and the tail after it:
-    ``(y, weights, q8, Tail)``; ``kind`` "q6_K_split" takes its activations quantized beforehand."""
-    from muse_mlx.quants import split_q6_K
-
-    y = arr(1, 1, k)
-    w = split_q6_K(qrows(rows, k, "q6_K")) if kind == "q6_K_split" else qrows(rows, k, "q4_K")
-    q8 = mul_mv.quantize_q8_rows(y, which="cpu") if kind == "q6_K_split" else None
-    w2 = mx.concatenate([mx.zeros((32,)), arr(rows - 32)])  # a group of zeros: d = 0 in the q8
-    tail = mul_mv.Tail(arr(1, 1, rows), arr(rows), w2, 1e-6, 1e-6, geometry, mul_mv.arrival_counter())
-    return y, [(w, kind)], q8, tail
-
-
-@emulator
-@pytest.mark.parametrize("rows,kind,geometry", [(1152, "q6_K_split", "llama"), (1152, "q4_K", "seeds"),
-                                                (6656, "q6_K_split", "seeds")])
-def test_matvec_with_the_tail_in_its_last_threadgroup(rows, kind, geometry):
-    """mul_mv_q8_pre_tail / mul_mv_q4_K_q8_multi_tail (flag mv_q8_q6k): the matvec's output, the
-    new hidden, the normed output and its q8, bit for bit what the matvec and then the q8 tail give
-    as two launches. 1,152 rows at the llama geometry's 288 tail threads (9 SIMD groups, played by
-    4: some play three, some two), at the seeds' 512, and 6,656 at 1,024 (the release geometry's
-    tails; the second float4 of a played thread absent past 1,664). The emulator fails a launch
-    that leaves an input changed, so the counter is back at 0 after each."""
-    y, weights, q8, tail = fused_tail_case(rows, 256, kind, geometry)
-    fused = emulate_recorded(K.mul_mv_q8, y, weights, q8=q8, tail=tail)
-    assert fused is not None
-    out = emulate_recorded(K.mul_mv_q8, y, weights, q8=q8)
-    want = (out, *emulate_recorded(K.tail_dual_eps_q8, tail.hidden, out, tail.w1, tail.w2, tail.eps1,
-                                   tail.eps2, geometry))
-    for got, expect in zip(fused[:3], want[:3]):
-        assert_bits_equal(got, expect)
-    assert np.array_equal(np.array(fused[3][0]), np.array(want[3][0]))
-    assert_bits_equal(fused[3][1], want[3][1])
-    assert float(fused[3][1][0]) == 0.0 and float(fused[3][1][2]) > 0.0
-    cpu = K.mul_mv_q8(y, weights, q8=q8, tail=tail, which="cpu")  # what the route runs on a CPU
-    for got, expect in zip(cpu[:3], want[:3]):
-        assert_bits_equal(got, expect)
-
-
-def test_a_tail_after_a_matvec_that_cannot_carry_it():
-    """No fused launch where the last threadgroup cannot run the tail (rows not whole threadgroups,
-    two tokens): None, and the caller runs the two; the GLU and multi-matrix calls are refused."""
-    y, weights, q8, tail = fused_tail_case(1152, 256, "q6_K_split", "llama")
-    odd = [(weights[0][0][:1144], "q6_K_split")]  # 1,144 rows: not whole threadgroups of 16
-    odd_tail = tail._replace(hidden=arr(1, 1, 1144), w1=arr(1144), w2=arr(1144))
-    assert K.mul_mv_q8(y, odd, q8=q8, tail=odd_tail, which="record") is None
-    two = tail._replace(hidden=arr(2, 1152))
-    assert K.mul_mv_q8(arr(2, 256), weights, tail=two, which="record") is None
-    with pytest.raises(ValueError, match="one matrix"):
-        K.mul_mv_q8(y, weights + weights, tail=tail, which="cpu")
-    with pytest.raises(ValueError, match="not the matvec's output"):
-        K.mul_mv_q8(y, weights, q8=q8, tail=tail._replace(hidden=arr(1, 1, 1024)), which="cpu")
-
-
 def test_q8_calls_take_Q6_K_all_split_or_none():
     from muse_mlx.quants import split_q6_K
 

@@ -290,12 +290,6 @@ def record_all_kernels():
     q4_64 = mx.concatenate([q4] * (-(-64 // q4.shape[0])))[:64]  # whole threadgroups of 2x4x4 (64 rows)
     with mock.patch.dict(os.environ, {"MUSE_MLX_Q8_PRE_GEOMETRY": "2x4x4"}):  # the GLU writing its output's q8
         K.mul_mv_q8(x, [(q4_64, "q4_K"), (q4_64, "q4_K")], which="record", glu="silu", q8_out=True)
-    # the matvecs that run the norm tail in their last threadgroup: 512 rows (a tail of 128 threads)
-    q4_512 = mx.concatenate([q4] * 64)
-    tail = mul_mv.Tail(arr(1, 512), w, w, 1e-6, 1e-6, "seeds", mx.zeros((4,), dtype=mx.uint32))
-    assert K.mul_mv_q8(x[:1], [(q4_512, "q4_K")], which="record", tail=tail) is not None  # per threadgroup
-    assert K.mul_mv_q8(x[:1], [(split_q6_K(mx.concatenate([q6] * 64)), "q6_K_split")], which="record",
-                       tail=tail) is not None  # mul_mv_q8_pre's
     K.dequantize_rows(q4, "q4_K", which="record")
     K.dequantize_rows(q6, "q6_K", which="record")
     K.dequantize_rows(q4, "q4_K", mx.float16, which="record")

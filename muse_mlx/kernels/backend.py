@@ -24,25 +24,10 @@ import mlx.core as mx
 
 HERE = Path(__file__).parent
 METAL_PRELUDE = "#define MUSE_FN inline\n"
-# prelude.cuh's hand-off to the last threadgroup, in Metal (MSL 3.2's device-scope fences), given
-# only to the kernels that call it. NOT CHECKED: no Mac has compiled or run it, which is why the
-# kernels that use it are off by default on Metal (mul_mv.tail_fusion).
-METAL_HANDOFF = """#if __METAL_VERSION__ >= 320
-inline uint device_arrive(const device uint* c) {
-  atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device);
-  return atomic_fetch_add_explicit((device atomic_uint*)c, 1u, memory_order_relaxed);
-}
-inline void device_acquire() { atomic_thread_fence(mem_flags::mem_device, memory_order_seq_cst, thread_scope_device); }
-inline void device_reset(const device uint* c) { atomic_store_explicit((device atomic_uint*)c, 0u, memory_order_relaxed); }
-inline float4 coherent_load(const device float4* p) { return *(const volatile device float4*)p; }
-#endif
-"""
 _MARK = re.compile(r"^// ==== (header|(?:kernel|part): (\w+))\s*$", re.M)
 # Metal address spaces -> CUDA: global and private memory need no word, threadgroup memory is
 # __shared__, and file-scope `constant` values become constexpr (see prelude.cuh).
 _ADDRESS_SPACE = re.compile(r"\b(device|thread|threadgroup|constant)\b(?=\s)")
-# ... except in a pointer to threadgroup memory (a helper's parameter), which is a plain pointer there
-_THREADGROUP_POINTER = re.compile(r"\bthreadgroup\s+(?=\w+\s*\*)")
 _CUDA_SPELLING = {"device": "", "thread": "", "threadgroup": "__shared__", "constant": "constexpr"}
 
 
@@ -64,8 +49,7 @@ def _compact(text: str) -> str:
 def to_cuda(metal_text: str) -> str:
     """The one textual change CUDA needs: Metal's address-space qualifiers (the text compacted, see
     :func:`_compact`)."""
-    text = _THREADGROUP_POINTER.sub("", _compact(metal_text))
-    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], text)
+    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], _compact(metal_text))
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -293,11 +277,6 @@ class Kernel:
         families = self.uses + (() if self.family is None else (self.family,))
         return needed_header("".join(sections(f).get("header", "") for f in families), self.body)
 
-    @property
-    def metal_header(self) -> str:
-        handoff = METAL_HANDOFF if "device_arrive" in self.body else ""
-        return METAL_PRELUDE + handoff + self.header
-
     def build(self, which: str, bounds: tuple[int, int] | None = None):
         """The MLX kernel for ``which``; on CUDA, ``bounds`` = (threads, min_blocks) builds a
         variant of its own name with those launch bounds (MLX caches a kernel by its name)."""
@@ -306,7 +285,7 @@ class Kernel:
             if which == "metal":
                 self._built[key] = mx.fast.metal_kernel(
                     name=self.name, input_names=self.inputs, output_names=self.outputs,
-                    source=self.body, header=self.metal_header,
+                    source=self.body, header=METAL_PRELUDE + self.header,
                 )
             elif which == "cuda":
                 self._built[key] = mx.fast.cuda_kernel(
@@ -321,7 +300,7 @@ class Kernel:
         """The Metal builder, usable on any machine inside ``mx.export_function`` (to print the source)."""
         return mx.fast.metal_kernel(
             name=self.name, input_names=self.inputs, output_names=self.outputs,
-            source=self.body, header=self.metal_header,
+            source=self.body, header=METAL_PRELUDE + self.header,
         )
 
     def cuda_source(self, input_dtypes, output_dtypes, template, bounds: tuple[int, int] | None = None) -> str:

@@ -932,25 +932,3 @@ MUSE_FN float lane_group_sum(float v) {
         ods[2 * G] = d;
         ods[2 * G + 1] = float(sum);
     }
-
-// ==== part: tail_after
-// OPT-IN, NOT EXACT (flag mv_q8_q6k; MUSE_MLX_TAIL_FUSED=0 turns it off): appended to the body of
-// mul_mv_q8_pre or mul_mv_q4_K_q8_multi (kernels mul_mv_q8_pre_tail, mul_mv_q4_K_q8_multi_tail; one
-// matrix of R0 rows, one token), so that the threadgroup that finishes last also runs the norm tail
-// after the matvec over its whole output (tail_row_played: tail_dual_eps_q8's bits), where the two
-// took two dispatches. Every threadgroup counts itself in on `counter` after its rows are written
-// and fenced; the one that counts NTG - 1 (all the others are done) runs the tail and puts the
-// counter back to 0. R0 must be a whole number of threadgroups' rows, so that no SIMD group has
-// returned before the barrier (the wrapper checks). On Metal this is unchecked (see backend.py).
-// inputs also: hidden, weight1, weight2 [R0], eps1, eps2 (element 0), counter (uint32, 0 between launches)
-// outputs also: hidden_out, output [R0], tqy [R0/4] (uint32), tds [R0/16] (per group: d, float(sum q))
-    threadgroup_barrier(mem_flags::mem_device);  // this threadgroup's rows are written and fenced
-    threadgroup uint tail_turn[1];
-    threadgroup float tail_shmem[32];
-    if (sgitg == 0 && tiisg == 0) tail_turn[0] = device_arrive(counter);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (tail_turn[0] != NTG - 1u) return;  // the whole threadgroup: not the last to finish
-    device_acquire();
-    tail_row_played<R0, NTH, NSG>(hidden, dst, weight1, weight2, eps1[0], eps2[0], hidden_out, output, tqy, tds,
-                                  tail_shmem, sgitg, tiisg);
-    if (sgitg == 0 && tiisg == 0) device_reset(counter);

@@ -9,13 +9,12 @@ order (all lanes and rows at once, as arrays), then the SIMD butterfly.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import mlx.core as mx
 
 from . import fp
 from ..quants import _k_scale_min
-from .backend import Kernel, backend, constant, in_device_memory
+from .backend import Kernel, backend, constant
 from .fp import CPU
 
 F32 = mx.float32
@@ -554,14 +553,7 @@ _Q8_PRE = Kernel("mul_mv", "mul_mv_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"]
 # the q8 GLU that also writes its output quantized (flag mv_q8_q6k; MUSE_MLX_Q8_GLU_OUT=0 turns it off)
 _Q8_PRE_OUT = Kernel("mul_mv", "mul_mv_q8_pre_q8out", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst", "oqy", "ods"],
                      uses=("ffn",), parts=("mul_mv_q8_pre", "q8_out"))
-# the q8 matvecs whose last threadgroup also runs the norm tail after them (flag mv_q8_q6k;
-# MUSE_MLX_TAIL_FUSED=0 turns it off): the part tail_after, tail_dual_eps_q8's bits
-_TAIL_INPUTS, _TAIL_OUTPUTS = ["hidden", "weight1", "weight2", "eps1", "eps2", "counter"], ["hidden_out", "output", "tqy", "tds"]
-_Q8_PRE_TAIL = Kernel("mul_mv", "mul_mv_q8_pre_tail", ["w0", "w1", "w2", "w3", "qy", "ds"] + _TAIL_INPUTS,
-                      ["dst"] + _TAIL_OUTPUTS, uses=("ffn", "norm_tail"), parts=("mul_mv_q8_pre", "tail_after"))
-_Q8_TAIL = Kernel("mul_mv", "mul_mv_q4_K_q8_multi_tail", ["w0", "w1", "w2", "w3", "y"] + _TAIL_INPUTS,
-                  ["dst"] + _TAIL_OUTPUTS, uses=("ffn", "norm_tail"), parts=("mul_mv_q4_K_q8_multi", "tail_after"))
-KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_OUT, _Q8_PRE_TAIL, _Q8_TAIL)
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_OUT)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
@@ -655,44 +647,6 @@ def q8_from_glu() -> bool:
     return _switch("MUSE_MLX_Q8_GLU_OUT", True) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
 
-def tail_fusion(which: str) -> bool:
-    """Whether the q8 route runs each norm tail in the last threadgroup of the matvec before it
-    (:class:`Tail`): ``MUSE_MLX_TAIL_FUSED=1`` or ``0``; by default on, except on Metal, where the
-    hand-off between threadgroups (``backend.METAL_HANDOFF``) has never been compiled or run."""
-    return _switch("MUSE_MLX_TAIL_FUSED", which != "metal")
-
-
-class Tail(NamedTuple):
-    """The norm tail a matvec's last threadgroup runs on the matvec's output (``mul_mv_q8(tail=)``):
-    :func:`~muse_mlx.kernels.tail_dual_eps_q8` ``(hidden, output, w1, w2, eps1, eps2, geometry)``.
-    ``counter``: an :func:`arrival_counter` that no other launch uses while this one may run."""
-
-    hidden: mx.array
-    w1: mx.array
-    w2: mx.array
-    eps1: float
-    eps2: float
-    geometry: str
-    counter: mx.array
-
-
-def arrival_counter() -> mx.array:
-    """A zeroed count for :class:`Tail` (four uint32s in device memory; element 0 counts). The
-    kernel leaves it at 0 again, so one counter serves launches that run one after another."""
-    return in_device_memory(mx.zeros((4,), dtype=mx.uint32))
-
-
-def _tail_misfit(rows: int, tokens: int, per_tg: int, nth: int) -> str | None:
-    """Why a matvec of ``rows`` rows cannot run the tail in its last threadgroup (None: it can)."""
-    if tokens != 1:
-        return f"one token, not {tokens}"
-    if rows % per_tg or rows % 32:
-        return f"rows that are whole threadgroups ({per_tg}) and groups of 32, not {rows}"
-    if nth % 32:
-        return f"a tail of whole SIMD groups, not {nth} threads"
-    return None
-
-
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
     """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q8_pre: ``qy``
     (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
@@ -716,8 +670,7 @@ def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
 Q8_PRE_TYPE = {"q4_K": 0, "q6_K_split": 2}  # mul_mv_q8_pre's Y codes (1, raw Q6_K, it does not read)
 
 
-def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: bool = False,
-              tail: Tail | None = None):
+def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: bool = False):
     """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8;
     Q6_K through the exact lanes, or, split by :func:`~muse_mlx.quants.split_q6_K` and given as
     "q6_K_split", through q8 as well), concatenated; or, with ``glu`` an activation, two Q4_K
@@ -728,10 +681,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a call that takes the activations quantized
     once, which an all-Q4_K call then takes too (see :func:`_q8_pre`); otherwise ignored. ``q8_out`` (a GLU only): return ``(output, q8)``, the output also
     quantized as :func:`quantize_q8_rows` quantizes it, by the GLU itself where it can
-    (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes). ``tail`` (one
-    matrix, one token): the last threadgroup also runs that norm tail on the output; returns
-    ``(output, hidden, normed, q8)`` as the matvec and then ``tail_dual_eps_q8`` return them (the
-    same bits), or None where the launch cannot (:func:`_tail_misfit`; the caller runs the two)."""
+    (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes)."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _common_k(weights, "mul_mv_q8")
@@ -740,8 +690,6 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         raise ValueError("the q8 GLU takes two Q4_K matrices")
     if q8_out and glu is None:
         raise ValueError("q8_out is for the q8 GLU (glu=...) only")
-    if tail is not None and (glu is not None or q8_out or len(weights) != 1):
-        raise ValueError("a tail follows a matvec of one matrix (not the GLU)")
     kinds = [k for _, k in weights]
     pre = _q8_pre(kinds, glu is not None, quantized=q8 is not None)
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
@@ -751,23 +699,6 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     # the GLU writes its output quantized where its threadgroups hold whole groups of 32 rows and
     # no SIMD group leaves before the part's barrier (the CPU gives the q8 on the same condition)
     own_q8 = q8_out and pre and weights[0][0].shape[0] % per_tg == 0 and per_tg % 32 == 0
-    if not pre:
-        nr0, nsg = _q8_geometry(which)
-        per_tg = nr0 * nsg
-    if tail is not None:
-        from .norm_tail import tail_dual_eps_q8
-        from .rms_norm import norm_threads
-
-        rows_total, nth = weights[0][0].shape[0], norm_threads(weights[0][0].shape[0], tail.geometry)
-        if tail.hidden.shape != (*y.shape[:-1], rows_total):
-            raise ValueError(f"the tail's hidden {tail.hidden.shape} is not the matvec's output {(*y.shape[:-1], rows_total)}")
-        if _tail_misfit(rows_total, y.size // K, per_tg, nth) is not None:
-            return None
-        if which == "cpu":
-            out = mul_mv_q8(y, weights, which, q8=q8)
-            hid, normed, q8t = tail_dual_eps_q8(tail.hidden, out, tail.w1, tail.w2, tail.eps1, tail.eps2,
-                                               tail.geometry, which)
-            return out, hid, normed, q8t
     if which == "cpu":
         lanes = lpr if pre else 32
         q8_oracles = {"q4_K": mul_mv_q4_K_q8_oracle, "q6_K_split": mul_mv_q6_K_q8_oracle}
@@ -777,6 +708,9 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
             return (out, quantize_q8_rows(out, which) if own_q8 else None) if q8_out else out
         return mx.concatenate(outs, axis=-1)
     y, T = _tokens(y, K)
+    if not pre:
+        nr0, nsg = _q8_geometry(which)
+        per_tg = nr0 * nsg
     mats, rows, kinds = _four_slots(weights)
     if glu is not None:
         rows = [rows[0], 0, 0, 0]
@@ -785,21 +719,9 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     groups = sum(-(-r // per_tg) for r in rows)
     launch = dict(grid=(groups * 32, nsg, T), threadgroup=(32, nsg, 1), which=which)
     out_shape = [(*y.shape[:-1], sum(rows))]
-    if tail is not None:
-        from .rms_norm import _eps
-
-        R = rows[0]
-        tail_in = [tail.hidden.astype(F32), tail.w1.astype(F32), tail.w2.astype(F32), _eps(tail.eps1),
-                   _eps(tail.eps2), tail.counter]
-        tail_shapes = [tail.hidden.shape, tail.hidden.shape, (R // 4,), (R // 16,)]
-        template += [("NTG", groups), ("NTH", nth)]
     if pre:
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
-        if tail is not None:
-            dst, hid, normed, tqy, tds = _Q8_PRE_TAIL(mats + [qy, ds] + tail_in, out_shape + tail_shapes,
-                                                     [F32, F32, F32, mx.uint32, F32], template=template, **launch)
-            return dst, hid, normed, (tqy, tds)
         if own_q8:
             dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                      (y.size // K * rows[0] // 16,)],
@@ -808,10 +730,6 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
         template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
-        if tail is not None:
-            dst, hid, normed, tqy, tds = _Q8_TAIL(mats + [y] + tail_in, out_shape + tail_shapes,
-                                                 [F32, F32, F32, mx.uint32, F32], template=template, **launch)
-            return dst, hid, normed, (tqy, tds)
         (dst,) = _Q8(mats + [y], out_shape, [F32], template=template, **launch)
     return (dst, None) if q8_out else dst
 

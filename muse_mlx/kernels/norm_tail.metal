@@ -4,110 +4,6 @@
 //     output  = rms_norm(hidden, eps2) * weight2
 // MLX kernels cannot write their inputs, so `hidden` comes in and `hidden_out` goes out.
 
-// ==== header
-// One thread's float4 of a row, quantized as quantize_q8 does (tail_q8, below): the group of 32
-// values is this lane's float4 and its seven neighbours' (xor shuffles: every lane of the SIMD group
-// must call it; live is the same for all eight). qy and ds point at the row's words and pairs.
-MUSE_FN void q8_quad_store(float4 o, bool live, uint i, device uint* qy, device float* ds) {
-    float amax = 0.0f;
-    for (int e = 0; e < 4; ++e) amax = max(amax, fabs(o[e]));
-    for (uint m = 1u; m < 8u; m <<= 1u) amax = max(amax, simd_shuffle_xor(amax, m));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    uint word = 0u;
-    int sum = 0;
-    for (int e = 0; e < 4; ++e) {
-        const int q = int(round(o[e] * id));
-        sum += q;
-        word |= (uint(q) & 0xFFu) << (8u * uint(e));
-    }
-    for (uint m = 1u; m < 8u; m <<= 1u) sum += int(simd_shuffle_xor(uint(sum), m));
-    if (live) {
-        qy[i] = word;
-        if ((i & 7u) == 0u) {
-            ds[i / 4] = d;
-            ds[i / 4 + 1] = float(sum);
-        }
-    }
-}
-
-// The exact tail of one row with its output quantized (kernel
-// fused_norm_residual_rms_norm_batch_dual_eps_q8: the same bits), run by a threadgroup of NSGR
-// SIMD groups that stand in for that kernel's NTH threads: SIMD group g plays its SIMD groups g,
-// g + NSGR, g + 2 NSGR, ..., lane l as their lane l. So each played thread sums the same values in
-// the same order, each simd_sum is the same butterfly over the same lanes, and the 32 partials
-// land in the same slots: the bits are that kernel's (tests/test_decode_kernels.py, gpu_check).
-// For the last threadgroup of a matvec (mul_mv.metal, part tail_after): src is read past L1
-// (coherent_load), because other threadgroups wrote it. shmem: 32 floats of threadgroup memory.
-template <uint N, uint NTH, uint NSGR>
-MUSE_FN void tail_row_played(device const float* hidden, device const float* src, device const float* weight1,
-                             device const float* weight2, float e1, float e2, device float* hidden_out,
-                             device float* output, device uint* qy, device float* ds, threadgroup float* shmem,
-                             uint sgitg, uint tiisg) {
-    constexpr uint n4 = N / 4;
-    constexpr uint PER = (n4 + NTH - 1) / NTH;  // float4s per played thread
-    constexpr uint NV = NTH / 32;               // the played SIMD groups
-    constexpr uint J = (NV + NSGR - 1) / NSGR;  // ... per SIMD group here
-    device const float4* s4 = (device const float4*)src;
-    device const float4* h4 = (device const float4*)hidden;
-    device const float4* w14 = (device const float4*)weight1;
-    device const float4* w24 = (device const float4*)weight2;
-    device float4* hout4 = (device float4*)hidden_out;
-    device float4* out4 = (device float4*)output;
-    float4 sv[J][PER], hv[J][PER];
-    for (uint j = 0; j < J; ++j)
-        for (uint k = 0; k < PER; ++k) {
-            const uint i = (sgitg + NSGR * j) * 32u + tiisg + k * NTH;
-            if (sgitg + NSGR * j < NV && i < n4) sv[j][k] = coherent_load(s4 + i);
-        }
-
-    // kernel_rms_norm_mul_add over src; the played SIMD groups' partials in their slots
-    if (sgitg == 0) shmem[tiisg] = 0.0f;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint j = 0; j < J; ++j) {
-        const uint vs = sgitg + NSGR * j;
-        if (vs >= NV) break;  // the same for the whole SIMD group
-        float sumf = 0.0f;
-        for (uint k = 0; k < PER; ++k)
-            if (vs * 32u + tiisg + k * NTH < n4) sumf += dot(sv[j][k], sv[j][k]);
-        sumf = simd_sum(sumf);
-        if (tiisg == 0) shmem[vs] = sumf;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const float scale1 = 1.0f / sqrt(simd_sum(shmem[tiisg]) / float(N) + e1);
-
-    // kernel_rms_norm_mul over the new hidden (every thread has read the slots before they are zeroed)
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (sgitg == 0) shmem[tiisg] = 0.0f;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint j = 0; j < J; ++j) {
-        const uint vs = sgitg + NSGR * j;
-        if (vs >= NV) break;
-        for (uint k = 0; k < PER; ++k) {
-            const uint i = vs * 32u + tiisg + k * NTH;
-            if (i < n4) { hv[j][k] = fma(sv[j][k] * scale1, w14[i], h4[i]); hout4[i] = hv[j][k]; }
-        }
-        float sumf = 0.0f;
-        for (uint k = 0; k < PER; ++k)
-            if (vs * 32u + tiisg + k * NTH < n4) sumf += dot(hv[j][k], hv[j][k]);
-        sumf = simd_sum(sumf);
-        if (tiisg == 0) shmem[vs] = sumf;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const float scale2 = 1.0f / sqrt(simd_sum(shmem[tiisg]) / float(N) + e2);
-    for (uint j = 0; j < J; ++j) {
-        const uint vs = sgitg + NSGR * j;
-        if (vs >= NV) break;
-        for (uint k = 0; k < PER; ++k) {
-            const uint i = vs * 32u + tiisg + k * NTH;
-            const bool live = i < n4;
-            float4 o = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (live) { o = (hv[j][k] * scale2) * w24[i]; out4[i] = o; }
-            q8_quad_store(o, live, i, qy, ds);
-        }
-    }
-}
-
 // ==== kernel: fused_norm_residual_rms_norm_32sg
 // Seeds Ch 12 §12.4.3, carried verbatim from the seed
 // (crates/muser-engine/src/shaders/ferrite/rmsnorm_batch_tail.metal:142): the legacy
@@ -247,7 +143,26 @@ MUSE_FN void tail_row_played(device const float* hidden, device const float* src
         const bool live = i < n4;  // a whole group is live or not: n4 is a multiple of 8
         float4 o = {0.0f, 0.0f, 0.0f, 0.0f};
         if (live) o = ov[k];
-        q8_quad_store(o, live, i, qy + row * n4, ds + row * (N / 16));
+        float amax = 0.0f;
+        for (int e = 0; e < 4; ++e) amax = max(amax, fabs(o[e]));
+        for (uint m = 1u; m < 8u; m <<= 1u) amax = max(amax, simd_shuffle_xor(amax, m));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint word = 0u;
+        int sum = 0;
+        for (int e = 0; e < 4; ++e) {
+            const int q = int(round(o[e] * id));
+            sum += q;
+            word |= (uint(q) & 0xFFu) << (8u * uint(e));
+        }
+        for (uint m = 1u; m < 8u; m <<= 1u) sum += int(simd_shuffle_xor(uint(sum), m));
+        if (live) {
+            qy[row * n4 + i] = word;
+            if ((i & 7u) == 0u) {
+                ds[row * (N / 16) + i / 4] = d;
+                ds[row * (N / 16) + i / 4 + 1] = float(sum);
+            }
+        }
     }
 
 // ==== part: tail_q4

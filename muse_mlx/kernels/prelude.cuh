@@ -97,21 +97,3 @@ template <> __device__ __forceinline__ char4 as_type<char4, uint>(uint u) {  // 
 namespace precise {
 __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
 }
-
-// The hand-off of a launch's threadgroups to the one that finishes last (the matvec + norm tail
-// kernels): each threadgroup's threads fence their writes (threadgroup_barrier(mem_device)) and one
-// thread counts it in; the thread that reads the count of all the others fences again and its
-// threadgroup reads the others' rows past L1 (ld.global.cg: L1 is not coherent across SMs), then
-// puts the counter back to 0 for the next launch. MLX passes inputs as const; the counter is
-// the one input these kernels write.
-__device__ __forceinline__ uint device_arrive(const uint* counter) {
-  __threadfence();
-  return atomicAdd(const_cast<uint*>(counter), 1u);
-}
-__device__ __forceinline__ void device_acquire() { __threadfence(); }
-__device__ __forceinline__ void device_reset(const uint* counter) { atomicExch(const_cast<uint*>(counter), 0u); }
-__device__ __forceinline__ float4 coherent_load(const float4* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
