@@ -177,6 +177,42 @@ def test_glu_kernel(kind, act, geometry):
 
 
 @emulator
+@pytest.mark.parametrize("geometry", ["ggml", "2x4x1x2", "4x4x2", "1x4x3x1", "2x2x1x3"])
+@pytest.mark.parametrize("rows,k", [(13, 768), (37, 3328), (5, 256)])
+def test_split_Q6_K_kernel_gives_the_raw_rows_bits(rows, k, geometry):
+    """The split form (aligned loads: quants.split_q6_K) changes what a lane loads, not the
+    words: the raw rows' oracle bits, at ggml's geometry, CUDA's tuned ffn_down (P = 2) and head
+    geometries, and rows of 3, 13 and 1 blocks; random blocks reach every int8 scale."""
+    from muse_mlx.quants import split_q6_K
+    from muse_mlx.synthetic import random_blocks
+
+    for w in (qrows(rows, k, "q6_K"), mx.array(random_blocks(rows, k, T.Q6_K, np.random.default_rng(rows)))):
+        y = arr(2, k)
+        want = mul_mv.mul_mv_q6_K_oracle(y, w)
+        assert_bits_equal(emulate_recorded(K.mul_mv_q6_K, y, split_q6_K(w), geometry=geometry, split=True), want)
+        assert_bits_equal(emulate_recorded(K.mul_mv_q6_K, y, split_q6_K(w), geometry=geometry, split=True,
+                                           head=True), want)
+
+
+@emulator
+@pytest.mark.parametrize("geometry", ["ggml", "2x2x1x1", "4x2x2"])
+def test_multi_and_glu_kernels_on_split_Q6_K(geometry):
+    """A split Q6_K slot beside Q4_K and raw Q6_K ones, and a split Q6_K GLU: the raw rows' bits."""
+    from muse_mlx.quants import split_q6_K
+
+    y = arr(2, 512)
+    a, b, c = qrows(36, 512, "q4_K"), qrows(5, 512, "q6_K"), qrows(11, 512, "q6_K")
+    want = mx.concatenate([mul_mv.ORACLES["q4_K"](y, a), mul_mv.ORACLES["q6_K"](y, b),
+                           mul_mv.ORACLES["q6_K"](y, c)], axis=-1)
+    ws = [(a, "q4_K"), (split_q6_K(b), "q6_K_split"), (c, "q6_K")]
+    assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry), want)
+    g, u = qrows(37, 512, "q6_K"), qrows(37, 512, "q6_K")
+    want = ffn.silu_oracle(mul_mv.ORACLES["q6_K"](y, g), mul_mv.ORACLES["q6_K"](y, u), exp=libm("expf"))
+    got = emulate_recorded(K.mul_mv_glu, y, split_q6_K(g), split_q6_K(u), "q6_K_split", "silu", geometry=geometry)
+    assert_bits_equal(got, want)
+
+
+@emulator
 def test_dequantize_kernels():
     """f32: gguf-py's bits; f16: those values rounded to nearest (numpy's float32 -> float16)."""
     for kind, shape in (("q4_K", (3, 512)), ("q6_K", (3, 512)), ("q4_K", (5, 256)), ("q6_K", (3, 256))):

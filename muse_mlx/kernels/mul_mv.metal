@@ -35,6 +35,22 @@ MUSE_FN uint byte_magic(uint x, uint k, uint magic) {
 #endif
 }
 
+// Four bytes of the 8-byte pair (lo, hi), byte k of the result the one that nibble k of `sel`
+// names (0-3 lo's bytes, 4-7 hi's): one byte-permute instruction on NVIDIA, shifts and masks
+// elsewhere; the same word either way.
+MUSE_FN uint byte_select(uint lo, uint hi, uint sel) {
+#if defined(__CUDA_ARCH__)
+    return __byte_perm(lo, hi, sel);
+#else
+    uint out = 0u;
+    for (uint k = 0; k < 4u; ++k) {
+        const uint i = (sel >> (4u * k)) & 7u;
+        out |= (((i < 4u ? lo : hi) >> (8u * (i & 3u))) & 0xFFu) << (8u * k);
+    }
+    return out;
+#endif
+}
+
 // c + the dot product of four unsigned bytes of a (0..255) with four signed bytes of b: one
 // dp4a instruction on NVIDIA, the same integer arithmetic byte by byte elsewhere (exact either way).
 MUSE_FN int dot4_i8(uint a, int b, int c) {
@@ -281,21 +297,36 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 // in every block (to_h, to_sc, to_d), so a block's loads need one sum, lane[r] + 210j. (Offsets
 // from the block's start, as ggml writes them, cost NVIDIA 9 % more instructions in the
 // ffn_down's loop: address arithmetic per field.) Past the row's end a block is read again, not used.
-template <int NR, int U>
-MUSE_FN void q6K_load_round(device const uchar* thread const* lane, uint jb, uint nb, uint to_h,
-                            uint to_sc, uint to_d, thread uint (*ql1)[NR], thread uint (*ql2)[NR],
-                            thread uint (*qh)[NR], thread uint (*sc)[NR], thread float (*d)[NR]) {
+// SPLIT = 1 reads the split form (quants.split_q6_K: 208-byte bodies at 16-byte boundaries, the
+// d's apart, `dl[r]` row r's): the same bytes, so the same words, in four loads where the raw
+// 2-byte aligned blocks take eleven: three whole words, the 8 aligned scale bytes around the
+// lane's four (byte_select picks them with `sc_sel`), and d.
+template <int NR, int U, int SPLIT>
+MUSE_FN void q6K_load_round(device const uchar* thread const* lane, device const half* thread const* dl,
+                            uint jb, uint nb, uint to_h, uint to_sc, uint to_d, uint sc_sel,
+                            thread uint (*ql1)[NR], thread uint (*ql2)[NR], thread uint (*qh)[NR],
+                            thread uint (*sc)[NR], thread float (*d)[NR]) {
     for (int u = 0; u < U; ++u) {
         const uint j = min(jb + 2u * u, nb - 1u);
         for (int r = 0; r < NR; ++r) {
-            device const uchar* q = lane[r] + j * 210u;
-            ql1[u][r] = load_u32_from_u16(q);
-            ql2[u][r] = load_u32_from_u16(q + 32);
-            qh[u][r] = load_u32_from_u16(q + to_h);
-            // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
-            device const uchar* s = q + to_sc;
-            sc[u][r] = uint(s[0]) | (uint(s[2]) << 8) | (uint(s[4]) << 16) | (uint(s[6]) << 24);
-            d[u][r] = float(*(device const half*)(q + to_d));
+            if (SPLIT == 1) {
+                device const uchar* q = lane[r] + j * 208u;
+                ql1[u][r] = *(device const uint*)q;
+                ql2[u][r] = *(device const uint*)(q + 32);
+                qh[u][r] = *(device const uint*)(q + to_h);
+                const uint2 w = *(device const uint2*)(q + to_sc);
+                sc[u][r] = byte_select(w.x, w.y, sc_sel);
+                d[u][r] = float(dl[r][j]);
+            } else {
+                device const uchar* q = lane[r] + j * 210u;
+                ql1[u][r] = load_u32_from_u16(q);
+                ql2[u][r] = load_u32_from_u16(q + 32);
+                qh[u][r] = load_u32_from_u16(q + to_h);
+                // the lane's four int8 scales sc[is], sc[is+2], sc[is+4], sc[is+6], one per byte
+                device const uchar* s = q + to_sc;
+                sc[u][r] = uint(s[0]) | (uint(s[2]) << 8) | (uint(s[4]) << 16) | (uint(s[6]) << 24);
+                d[u][r] = float(*(device const half*)(q + to_d));
+            }
         }
     }
 }
@@ -304,11 +335,13 @@ MUSE_FN void q6K_load_round(device const uchar* thread const* lane, uint jb, uin
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
 // Blocks are 2-byte aligned, so quants are read as ushorts. As for Q4_K, the loads of a round of
 // U blocks (i, i+2, ...) of every row are issued before any is used, with P > 0 P rounds
-// earlier still; blocks are added in ggml's order.
-template <int NA, int NB, int U, int P>
+// earlier still; blocks are added in ggml's order. SPLIT = 1: the matrices are in the split form
+// (q6K_load_round), `a`/`b` their first rows' bodies (row_bytes = 208 nb apart) and `ad`/`bd` their
+// first rows' d's (nb apart); the words, so the arithmetic and the bits, are the raw form's.
+template <int NA, int NB, int U, int P, int SPLIT>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
-                           thread float* sumf) {
+                           thread float* sumf, device const half* ad, device const half* bd) {
     const uint tid = tiisg / 2;
     const uint ix = tiisg % 2;
     const uint ip = tid / 8;
@@ -319,28 +352,33 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     const uint q_offset_h = 128 + 32 * ip + l0;
     const uint magic = 0x4B000000u | (tiisg >> 5);  // the 2^23 pattern, in a register (see u2f_m)
     device const uchar* lane[NA + NB];
+    device const half* dl[NA + NB];
     for (int r = 0; r < NA + NB; ++r) {
-        lane[r] = (r < NA ? a + (ulong)min(uint(r), ra - 1u) * row_bytes : b + (ulong)min(uint(r - NA), rb - 1u) * row_bytes)
-                  + q_offset_l;
+        const uint rr = r < NA ? min(uint(r), ra - 1u) : min(uint(r - NA), rb - 1u);
+        lane[r] = (r < NA ? a : b) + (ulong)rr * row_bytes + q_offset_l;
+        dl[r] = (r < NA ? ad : bd) + (ulong)rr * nb;
         sumf[r] = 0.0f;
     }
-    const uint to_h = q_offset_h - q_offset_l, to_sc = 192u + is - q_offset_l, to_d = 208u - q_offset_l;
+    const uint to_h = q_offset_h - q_offset_l, to_d = 208u - q_offset_l;
+    // split: the aligned 8 scale bytes 192 + 8ip.. hold the lane's is, is+2, is+4, is+6 (is - 8ip = il/4)
+    const uint to_sc = SPLIT == 1 ? 192u + 8u * ip - q_offset_l : 192u + is - q_offset_l;
+    const uint sc_sel = il / 4 ? 0x7531u : 0x6420u;
     uint ql1[P + 1][U][NA + NB];
     uint ql2[P + 1][U][NA + NB];
     uint qh[P + 1][U][NA + NB];
     uint sc[P + 1][U][NA + NB];
     float d[P + 1][U][NA + NB];
     for (int e = 0; e < P; ++e)  // the first P rounds' loads
-        q6K_load_round<NA + NB, U>(lane, ix + 2u * U * e, nb, to_h, to_sc, to_d, ql1[e], ql2[e], qh[e],
-                                   sc[e], d[e]);
+        q6K_load_round<NA + NB, U, SPLIT>(lane, dl, ix + 2u * U * e, nb, to_h, to_sc, to_d, sc_sel, ql1[e],
+                                          ql2[e], qh[e], sc[e], d[e]);
     for (uint i = ix; i < nb; i += 2 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
             const uint ci = i + 2u * U * s;
             if (s == 0 || ci < nb) {  // not `break` (see q4K_lane_sums)
             const int ls = (s + P) % (P + 1);  // P = 0: this round's loads; else those P rounds ahead
-            q6K_load_round<NA + NB, U>(lane, ci + 2u * U * P, nb, to_h, to_sc, to_d, ql1[ls], ql2[ls],
-                                       qh[ls], sc[ls], d[ls]);
+            q6K_load_round<NA + NB, U, SPLIT>(lane, dl, ci + 2u * U * P, nb, to_h, to_sc, to_d, sc_sel,
+                                              ql1[ls], ql2[ls], qh[ls], sc[ls], d[ls]);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (ci + 2u * u < nb) {  // not `break`: the loop must unroll (see q4K_lane_sums)
@@ -387,17 +425,20 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     }
 }
 
-// The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K);
-// HALVES, PREP, y and sy as q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is).
+// The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K,
+// 2 Q6_K in the split form, whose d's follow all `rows` rows' bodies); HALVES, PREP, y and sy as
+// q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is).
 template <int TYPE, int NR0, int U, int P, int HALVES, int PREP>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
                       device const float* sy, uint tiisg, thread float* sumf) {
-    const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
+    const uint row_bytes = nb * (TYPE == 0 ? 144u : TYPE == 1 ? 210u : 208u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
         q4K_lane_sums<NR0, 0, U, P, HALVES, PREP>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf);
     } else {
-        q6K_lane_sums<NR0, 0, U, P>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf);
+        device const half* ad = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)first_row * nb;
+        q6K_lane_sums<NR0, 0, U, P, TYPE == 2 ? 1 : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg,
+                                                        sumf, ad, ad);
     }
 }
 
@@ -539,7 +580,7 @@ MUSE_FN float lane_group_sum(float v) {
     }
 
 // ==== kernel: mul_mv_q6_K_f32
-// inputs: w [ROWS, K/256*210] (uint8), y [T, K]; outputs: dst [T, ROWS]
+// inputs: w [ROWS, K/256*210] (uint8; SPLIT 1: in the split form), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
 // U blocks of loads per row in a round, each round's loads issued P rounds early
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -548,7 +589,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     float sumf[NR0];
-    row_sums<1, NR0, U, P, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
+    row_sums<1 + SPLIT, NR0, U, P, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -558,7 +599,7 @@ MUSE_FN float lane_group_sum(float v) {
 // Up to four matrices that read the same activations (q, k, v and the attention gate), in one
 // dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
 // kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
-// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K), K, NR0, NSG, U, P, HALVES,
+// Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K, 2 Q6_K split), K, NR0, NSG, U, P, HALVES,
 // PREP (q4K_lane_sums: with PREP the Q4_K matrices read ys and sy, the Q6_K ones y).
 // inputs: w0..w3 (absent ones: a placeholder, never read), y [T, K], ys [T, K] and sy [T, K/8]
 // (placeholders without PREP); outputs: dst [T, R0+R1+R2+R3]
@@ -587,6 +628,8 @@ MUSE_FN float lane_group_sum(float v) {
     if (type == 0) {
         row_sums<0, NR0, U, P, HALVES, PREP>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
                                              PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
+    } else if (type == 2 && (Y0 == 2 || Y1 == 2 || Y2 == 2 || Y3 == 2)) {  // compiled only if used
+        row_sums<2, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
     } else {
         row_sums<1, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
     }
@@ -600,7 +643,7 @@ MUSE_FN float lane_group_sum(float v) {
 // The FFN's first half in one dispatch with the unfused kernels' bits: each SIMD group computes
 // NR0 rows of the gate matrix and the same NR0 rows of the up matrix exactly as mul_mv does
 // (sharing the activation loads), then writes apply_activation<ACT>(gate, up) -- the formula of
-// silu_mul_inplace / gelu_mul_inplace. TYPE 0 Q4_K, 1 Q6_K (both matrices the same type).
+// silu_mul_inplace / gelu_mul_inplace. TYPE 0 Q4_K, 1 Q6_K, 2 Q6_K split (both matrices the same).
 // HALVES, PREP: as for mul_mv_multi_f32 (Q4_K only).
 // inputs: wg, wu [ROWS, K/256*bytes] (uint8), y [T, K], ys [T, K], sy [T, K/8] (placeholders
 // without PREP); outputs: dst [T, ROWS]
@@ -611,7 +654,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     const uint nb = K / 256;
-    const uint row_bytes = nb * (TYPE == 0 ? 144u : 210u);
+    const uint row_bytes = nb * (TYPE == 0 ? 144u : TYPE == 1 ? 210u : 208u);
     device const uchar* g = wg + (ulong)first_row * row_bytes;
     device const uchar* u = wu + (ulong)first_row * row_bytes;
     device const float* yt = y + (ulong)t * K;
@@ -621,7 +664,11 @@ MUSE_FN float lane_group_sum(float v) {
                                                     PREP ? ys + (ulong)t * K : yt,
                                                     PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
     } else {
-        q6K_lane_sums<NR0, NR0, U, P>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb, yt, tiisg, sumf);
+        // split (TYPE 2): each matrix's d's follow its ROWS rows' bodies
+        device const half* gd = (device const half*)(wg + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
+        device const half* ud = (device const half*)(wu + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
+        q6K_lane_sums<NR0, NR0, U, P, TYPE == 2 ? 1 : 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+                                                          yt, tiisg, sumf, gd, ud);
     }
     for (int r = 0; r < NR0; ++r) {
         const float gate = simd_sum(sumf[r]);

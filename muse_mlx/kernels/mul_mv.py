@@ -13,7 +13,7 @@ import os
 import mlx.core as mx
 
 from . import fp
-from ..quants import _k_scale_min
+from ..quants import _k_scale_min, join_q6_K
 from .backend import Kernel, backend, constant
 from .fp import CPU
 
@@ -240,6 +240,21 @@ def q4K_halves(which: str) -> int:
     return Q4K_HALVES.get(which, 0) if on is None else int(on)
 
 
+# Whether the pinned route holds its Q6_K matrices in the split form (quants.split_q6_K) for the
+# exact kernels, per backend. A raw Q6_K block is 210 bytes, so the exact lanes read it 2 bytes at
+# a time: eleven loads per block and row where the split form takes four (q6K_load_round). The
+# words, so the bits, are the same; the switch is MUSE_MLX_Q6K_SPLIT=0|1. On by default on CUDA
+# (nineteenth session, docs/performance.md); Metal keeps the reference's layout (no Mac here to
+# time it on).
+Q6K_SPLIT = {"cuda": 1}
+
+
+def q6K_split(which: str) -> bool:
+    """Whether the exact Q6_K matvecs read the split form on this backend (:data:`Q6K_SPLIT`)."""
+    on = _switch("MUSE_MLX_Q6K_SPLIT", None)
+    return bool(Q6K_SPLIT.get(which, 0)) if on is None else on
+
+
 # Resident warps per SM that the exact Q4_K GLU is compiled for on CUDA (``__launch_bounds__``;
 # 0 leaves ptxas its own choice). It holds 158-165 registers, so 12 warps per SM fit; bounded for
 # 16 it fits 128 (no spill in the halves form, 28 bytes in the prepared one: kernel_sass.py, NVRTC
@@ -351,16 +366,16 @@ _DEQ = {dt: Kernel("mul_mv", f"dequant_{name}", ["w", "count"], ["out"])
 _DEQ_AT = Kernel("mul_mv", "dequant_at_f32", ["w", "tokens", "count"], ["out"])
 KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, *_DEQ.values(), _DEQ_AT)
 BLOCK_BYTES = {"q4_K": 144, "q6_K": 210, "q6_K_split": 210}
-TYPE_CODE = {"q4_K": 0, "q6_K": 1}
+TYPE_CODE = {"q4_K": 0, "q6_K": 1, "q6_K_split": 2}
 
 
 def _k_of(w: mx.array, kind: str) -> int:
     return w.shape[1] // BLOCK_BYTES[kind] * 256
 
 
-def _launch(kernel, y, w, which, geometry, kind):
+def _launch(kernel, y, w, which, geometry, kind, split=False):
     """One matvec of geometry ``kind`` ("q4_K single", "q6_K" or "q6_K head"); the head bounded
-    as :func:`head_min_blocks` says."""
+    as :func:`head_min_blocks` says. ``split``: a Q6_K ``w`` in the split form."""
     R = w.shape[0]
     qtype = kind.split()[0]
     K = _k_of(w, qtype)
@@ -369,6 +384,8 @@ def _launch(kernel, y, w, which, geometry, kind):
     template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
     if qtype == "q4_K":
         template.append(("HALVES", q4K_halves(which)))
+    else:
+        template.append(("SPLIT", int(split)))
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
         template=template, which=which, min_blocks=head_min_blocks(which, (nr0, nsg, u, p)) if kind == "q6_K head" else 0,
@@ -384,16 +401,23 @@ def mul_mv_q4_K(y, w, which=None, geometry: str = "tuned") -> mx.array:
     return _launch(_Q4_K, y, w, which, geometry, "q4_K single")
 
 
-def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned", head: bool = False) -> mx.array:
+def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned", head: bool = False, split: bool = False) -> mx.array:
     """``y @ W.T`` for raw Q6_K rows ``w`` -- llama.cpp's kernel_mul_mv_q6_K_f32 arithmetic.
-    ``head``: the vocabulary head, which has a tuned geometry of its own (the same bits)."""
+    ``head``: the vocabulary head, which has a tuned geometry of its own (the same bits).
+    ``split``: ``w`` is in the split form (:func:`~muse_mlx.quants.split_q6_K`): the same bits,
+    with aligned loads (:func:`q6K_split`)."""
     which = which or backend()
     if which == "cpu":
-        return mul_mv_q6_K_oracle(y, w)
-    return _launch(_Q6_K, y, w, which, geometry, "q6_K head" if head else "q6_K")
+        return mul_mv_q6_K_oracle(y, join_q6_K(w) if split else w)
+    return _launch(_Q6_K, y, w, which, geometry, "q6_K head" if head else "q6_K", split)
 
 
-ORACLES = {"q4_K": mul_mv_q4_K_oracle, "q6_K": mul_mv_q6_K_oracle}
+def mul_mv_q6_K_split_oracle(y, w) -> mx.array:
+    """The exact Q6_K matvec of a matrix in the split form: the raw rows' bits."""
+    return mul_mv_q6_K_oracle(y, join_q6_K(w))
+
+
+ORACLES = {"q4_K": mul_mv_q4_K_oracle, "q6_K": mul_mv_q6_K_oracle, "q6_K_split": mul_mv_q6_K_split_oracle}
 
 
 def _four_slots(weights) -> tuple[list[mx.array], list[int], list[str]]:
@@ -460,7 +484,7 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
     if prep is not None and kind != "q4_K":
         raise ValueError(f"prepared activations are for Q4_K matrices, not {kind}")
     y, T = _tokens(y, K)
-    nr0, nsg, u, p = mv_geometry(geometry, which, kind)
+    nr0, nsg, u, p = mv_geometry(geometry, which, "q6_K" if kind == "q6_K_split" else kind)
     prepared, pre = _prep_inputs(prep, y, which)
     (dst,) = _GLU(
         [w_gate, w_up, y] + prepared, [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
