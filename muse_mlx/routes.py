@@ -218,6 +218,8 @@ class PinnedRoute(Route):
     def form_for(self, qtype: T) -> str:
         if qtype == T.Q6_K and "mv_q8_q6k" in self.flags:
             return "q6_K_split"  # read by mul_mv_q8_pre's Q6_K lanes only
+        if qtype == T.Q6_K and "mv_q8" not in self.flags and kernels.mul_mv.q6K_split(kernels.backend()):
+            return "q6_K_split"  # the exact Q6_K lanes' aligned loads, the same bits (mul_mv.Q6K_SPLIT)
         if qtype in (T.Q4_K, T.Q6_K):
             return "blocks"
         return self._stock.form_for(qtype)
@@ -277,7 +279,7 @@ class PinnedRoute(Route):
                 y = xd @ wd.T
                 self._commit(y)
                 return y.astype(x.dtype)
-            if w.form == "q6_K_split":
+            if w.form == "q6_K_split" and "mv_q8_q6k" in self.flags:
                 self.count("mul_mv_q6_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q6_K_split")], q8=self._form_of(x, "q8"))
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
@@ -285,15 +287,18 @@ class PinnedRoute(Route):
                 self.count("mul_mv_q4_K_q8")
                 return kernels.mul_mv_q8(x, [(w.weight, "q4_K")], q8=self._form_of(x, "q8"))
             self.count(f"mul_mv_{_KIND[w.qtype]}_f32")
-            return (kernels.mul_mv_q4_K if w.qtype == T.Q4_K else kernels.mul_mv_q6_K)(x, w.weight)
+            if w.qtype == T.Q4_K:
+                return kernels.mul_mv_q4_K(x, w.weight)
+            return kernels.mul_mv_q6_K(x, w.weight, split=w.form == "q6_K_split")
         self.count("stock_linear")
         return self._stock.linear(x, w)
 
     def head(self, x, w):
         # the same kernel and bits as linear(); only its launch geometry is its own
-        if w.form == "blocks" and w.qtype == T.Q6_K and not self._batched(x):
+        exact = w.form == "blocks" or (w.form == "q6_K_split" and "mv_q8_q6k" not in self.flags)
+        if exact and w.qtype == T.Q6_K and not self._batched(x):
             self.count("mul_mv_q6_K_f32")
-            return kernels.mul_mv_q6_K(x, w.weight, head=True)
+            return kernels.mul_mv_q6_K(x, w.weight, head=True, split=w.form == "q6_K_split")
         return self.linear(x, w)
 
     def project(self, x, ws):
@@ -357,7 +362,8 @@ class PinnedRoute(Route):
         if "ffn_4r2s" in self.flags and fusable:
             self.count("ffn_q4k_gate_up_silu_4r2s")
             return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
-        same = gate.form == up.form == "blocks" and gate.qtype == up.qtype and gate.qtype in _KIND
+        split = gate.form == up.form == "q6_K_split" and "mv_q8_q6k" not in self.flags
+        same = (gate.form == up.form == "blocks" or split) and gate.qtype == up.qtype and gate.qtype in _KIND
         if "mv_q8" in self.flags and fusable and not self._batched(x):
             self.count("mul_mv_q4_K_q8 (glu)")
             mats = [(gate.weight, "q4_K"), (up.weight, "q4_K")]
@@ -371,8 +377,8 @@ class PinnedRoute(Route):
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")
-            return kernels.mul_mv_glu(x, gate.weight, up.weight, _KIND[gate.qtype], activation,
-                                      prep=prep if gate.qtype == T.Q4_K else None)
+            return kernels.mul_mv_glu(x, gate.weight, up.weight, "q6_K_split" if split else _KIND[gate.qtype],
+                                      activation, prep=prep if gate.qtype == T.Q4_K else None)
         return super().ffn_gate_up(x, gate, up, activation)
 
     def attn_gate(self, o, g):

@@ -421,6 +421,40 @@ def check_q8_q6k(rng, quick):
                 mx.view(want_qy, mx.float32))
 
 
+def check_q6k_split(rng, quick):
+    """The exact Q6_K lanes on the split form (MUSE_MLX_Q6K_SPLIT, CUDA's default) against the same
+    kernels on the raw rows, all rows, bit for bit: ffn_down and the vocabulary head at their tuned
+    geometries and at others, the Q6_K GLU, attn_v inside the q|k|v|gate call; then a tiny model's
+    decode loaded with the split form against one loaded without it."""
+    from muse_mlx.quants import split_q6_K
+
+    D, ff, vocab = (6656, 19968, 202048) if not quick else (512, 768, 1000)
+    x, h = randn(rng, 2, D), randn(rng, 2, ff)
+    for name, raw, y, head in (("ffn_down", random_blocks(D, ff, T.Q6_K, rng), h, False),
+                               ("head", random_blocks(vocab, D, T.Q6_K, rng), x, True)):
+        sp = split_q6_K(raw)
+        for geometry in ("tuned", "ggml", "2x4x1x2", "4x4x2", "1x4x3x1", "2x2x1x3"):
+            compare("mul_mv_q6_K_f32 split == raw", f"{name} {raw.shape[0]}x{y.shape[-1]} {geometry}",
+                    gpu(K.mul_mv_q6_K, y, sp, geometry=geometry, head=head, split=True),
+                    gpu(K.mul_mv_q6_K, y, raw, geometry=geometry, head=head), note="all rows, T=2")
+        del sp, raw
+    wg, wu = random_blocks(ff, D, T.Q6_K, rng), random_blocks(ff, D, T.Q6_K, rng)
+    compare("mul_mv_glu_f32 Q6_K split == raw", f"{ff}x{D} silu", gpu(K.mul_mv_glu, x, split_q6_K(wg), split_q6_K(wu),
+            "q6_K_split", "silu"), gpu(K.mul_mv_glu, x, wg, wu, "q6_K", "silu"))
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    q4 = [random_blocks(r, D, T.Q4_K, rng) for r in (qw, kvw, qw)]
+    v = random_blocks(kvw, D, T.Q6_K, rng)
+    mats = lambda vv, kind: [(q4[0], "q4_K"), (q4[1], "q4_K"), (vv, kind), (q4[2], "q4_K")]  # noqa: E731
+    compare("mul_mv_multi_f32 v split == raw", f"q,k,v(Q6_K),gate x {D}",
+            gpu(K.mul_mv_multi, x[:1], mats(split_q6_K(v), "q6_K_split")), gpu(K.mul_mv_multi, x[:1], mats(v, "q6_K")))
+    outs = []
+    for on in ("0", "1"):
+        with env("MUSE_MLX_Q6K_SPLIT", on):
+            model, tokens = tiny_model(np.random.default_rng(7), 40)
+            outs.append(tiny_decode(model, tokens, compiled=True))
+    compare("decode, Q6_K split form == raw blocks", "tiny muse-glimmer, 32 tokens, compiled", outs[1], outs[0])
+
+
 def edge_activations(rng, k):
     """Two tokens of ordinary activations, both with signed zeros, subnormals and tiny normals, the
     second also with values up to 2^95 (the halves form of the Q4_K lanes scales them by up to
@@ -621,7 +655,7 @@ def transcendental_ulps(rng, quick=False):
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
-                glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8, q8_q6k=check_q8_q6k,
+                glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

@@ -175,6 +175,50 @@ def test_q8_glu_output_feeds_the_ffn_down(tiny, monkeypatch):
         model(mx.array([[7]]), model.make_cache())
 
 
+def test_exact_route_on_split_Q6_K_weights_keeps_its_bits(tiny, monkeypatch):
+    """MUSE_MLX_Q6K_SPLIT=1 (CUDA's default, mul_mv.Q6K_SPLIT): the exact route holds every untied
+    Q6_K matrix split and runs the exact Q6_K kernels on it (split=True), and its logits are the
+    raw blocks' bit for bit, through the model and the decode step; with mv_q8 alone the blocks stay
+    (its Q6_K lanes read them). The kernels' own bits on the split form: test_decode_kernels.py
+    (emulator) and gpu_check.py."""
+    from muse_mlx.decode import DecodeStep
+    from muse_mlx.layers import QLinear
+
+    path = tiny("muse-glimmer")
+    monkeypatch.setenv("MUSE_MLX_Q6K_SPLIT", "0")
+    raw_model = load_model(path, "pinned")
+    base = logits(raw_model)
+    monkeypatch.setenv("MUSE_MLX_Q6K_SPLIT", "1")
+    model = load_model(path, "pinned")
+    q6 = [m for _, m in model.named_modules() if isinstance(m, QLinear) and m.qtype == T.Q6_K]
+    assert q6 and all(m.form == "q6_K_split" for m in q6)
+    splits, mv6 = [], K.mul_mv_q6_K
+
+    def spy(y, w, **kw):
+        splits.append(kw.get("split", False))
+        return mv6(y, w, **kw)
+
+    monkeypatch.setattr(K, "mul_mv_q6_K", spy)
+    np.testing.assert_array_equal(logits(model).view(np.uint64), base.view(np.uint64))
+    assert splits and all(splits)
+    steps = {}
+    for name, m in (("raw", raw_model), ("split", model)):
+        m.kv_dtype = mx.float16
+        step = DecodeStep(m, m.make_cache(), 16, compiled=False)
+        steps[name] = [np.array(step(mx.array([t]))) for t in TOKENS[:4]]
+        m.route.dispatches.clear()
+        step(mx.array([9]))
+        steps[name + " dispatches"] = dict(m.route.dispatches)
+    for a, b in zip(steps["raw"], steps["split"]):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert steps["raw dispatches"] == steps["split dispatches"]
+    model.set_flags(["mv_q8"])
+    assert all(m.form == "blocks" for m in q6)
+    monkeypatch.setenv("MUSE_MLX_Q6K_SPLIT", "yes")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q6K_SPLIT='yes': expected 0 or 1"):
+        load_model(path, "pinned")
+
+
 def test_batched_prefill_rejoins_the_split_Q6_K_rows(tiny):
     """A batched prefill runs no matvec kernel: with mv_q8_q6k its Q6_K matmuls dequantize the
     split matrices rejoined (QLinear.raw_blocks), so its logits are the exact route's, bit for bit."""
