@@ -334,8 +334,9 @@ def weights_in_loop(name: str, lp) -> tuple[int, str] | None:
         br = opcode_counts(body)["IDP"] // 16  # 16 dp4a per block-row (two sub-blocks of 32)
         return 64 * br, f"{br} block-row(s) x 64"
     if name in ("mul_mv_q6_K_f32", "mul_mv_glu_f32", "mul_mv_multi_f32", "mul_mv_q4_K_q8_multi") and ldg["U16"]:
-        # q6K_lane_sums: per block-row three u32 read as ushort pairs + the half d = 7 LDG.E.U16; 16 weights
-        br = ldg["U16"] // 7
+        # q6K_lane_sums: per block-row three u32 read as ushort pairs + the half d = 7 LDG.E.U16, and the
+        # four scales as bytes (U8); in the split form (no byte loads) the half d is the only U16; 16 weights
+        br = ldg["U16"] // 7 if ldg["U8"] else ldg["U16"]
         return 16 * br, f"{br} block-row(s) x 16"
     return None
 
@@ -386,8 +387,10 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 glu(" prepared, 16 warps", prep=prep)
     for g in head or q6_geoms:
         rec(f"head {VOCAB}x{D}", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g, head=True)
+        rec(f"head {VOCAB}x{D} split", K.mul_mv_q6_K, y_d, q6(VOCAB, D), geometry=g, head=True, split=True)
     for g in q6_geoms:
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g)
+        rec(f"ffn_down {D}x{FF} split (CUDA's default)", K.mul_mv_q6_K, y_ff, q6(D, FF), geometry=g, split=True)
         rec(f"ffn_gate+up q6_K {FF}x{D} silu", K.mul_mv_glu, y_d, q6(FF, D), q6(FF, D), "q6_K", "silu", geometry=g)
     for g in q8_geoms:  # the kernel that quantizes per threadgroup: a mix with Q6_K, and by default
         with env("MUSE_MLX_Q8_GEOMETRY", g):  # every all-Q4_K call but the GLU
