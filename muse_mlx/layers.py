@@ -12,7 +12,8 @@ Forms of a :class:`QLinear` (attribute ``form``):
     ``scales``, ``biases`` (8 bits) plus ``weight_lo``, ``scales_lo``, ``biases_lo`` (6 bits),
     exact (see :func:`muse_mlx.quants.to_affine_hi_lo`);
   * ``"q6_K_split"`` -- Q6_K only: the raw rows' bytes rearranged so every block's 208-byte body
-    starts on a 16-byte boundary (:func:`muse_mlx.quants.split_q6_K`), for the opt-in q8 kernels;
+    starts on a 16-byte boundary (:func:`muse_mlx.quants.split_q6_K`), for aligned loads: the
+    opt-in q8 kernels' Q6_K lanes, and the exact ones where ``kernels.mul_mv.Q6K_SPLIT`` says;
   * ``"dense"``  -- a float matrix ``[out, in]`` (F32/F16/BF16 tensors).
 """
 

@@ -273,7 +273,9 @@ class PinnedRoute(Route):
         if w.form in RAW_FORMS and w.qtype in _KIND:
             if self._batched(x):
                 self.count("dequant_matmul")
-                wd = kernels.dequantize_rows(w.raw_blocks(), _KIND[w.qtype], self.batched)
+                # a split matrix is read as it is held: no rejoined copy per prompt chunk
+                kind = "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]
+                wd = kernels.dequantize_rows(w.weight, kind, self.batched)
                 xd = x.astype(wd.dtype)
                 self._commit(xd, wd)
                 y = xd @ wd.T

@@ -424,7 +424,8 @@ def check_q8_q6k(rng, quick):
 def check_q6k_split(rng, quick):
     """The exact Q6_K lanes on the split form (MUSE_MLX_Q6K_SPLIT, CUDA's default) against the same
     kernels on the raw rows, all rows, bit for bit: ffn_down and the vocabulary head at their tuned
-    geometries and at others, the Q6_K GLU, attn_v inside the q|k|v|gate call; then a tiny model's
+    geometries and at others, the prefill's dequantization of ffn_down (float32 and half), the Q6_K
+    GLU, attn_v inside the q|k|v|gate call; then a tiny model's
     decode loaded with the split form against one loaded without it."""
     from muse_mlx.quants import split_q6_K
 
@@ -437,6 +438,11 @@ def check_q6k_split(rng, quick):
             compare("mul_mv_q6_K_f32 split == raw", f"{name} {raw.shape[0]}x{y.shape[-1]} {geometry}",
                     gpu(K.mul_mv_q6_K, y, sp, geometry=geometry, head=head, split=True),
                     gpu(K.mul_mv_q6_K, y, raw, geometry=geometry, head=head), note="all rows, T=2")
+        if not head:  # the batched prefill's dequantization reads the split form as it is held
+            for dt in (mx.float32, mx.float16):
+                compare("dequant split == raw (prefill)", f"{name} {raw.shape[0]}x{y.shape[-1]} {dt}",
+                        gpu(K.dequantize_rows, sp, "q6_K_split", dt), gpu(K.dequantize_rows, raw, "q6_K", dt),
+                        note="all rows")
         del sp, raw
     wg, wu = random_blocks(ff, D, T.Q6_K, rng), random_blocks(ff, D, T.Q6_K, rng)
     compare("mul_mv_glu_f32 Q6_K split == raw", f"{ff}x{D} silu", gpu(K.mul_mv_glu, x, split_q6_K(wg), split_q6_K(wu),

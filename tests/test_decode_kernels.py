@@ -222,6 +222,12 @@ def test_dequantize_kernels():
         half = emulate_recorded(K.dequantize_rows, w, kind, mx.float16)
         assert np.array(half).dtype == np.float16
         assert_bits_equal(half, want.astype(np.float16))
+        if kind == "q6_K":  # the split form: the same values (the half d read from after the bodies)
+            from muse_mlx.quants import split_q6_K
+
+            assert_bits_equal(emulate_recorded(K.dequantize_rows, split_q6_K(w), "q6_K_split"), want)
+            assert_bits_equal(emulate_recorded(K.dequantize_rows, split_q6_K(w), "q6_K_split", mx.float16),
+                              want.astype(np.float16))
 
 
 @emulator

@@ -219,20 +219,33 @@ def test_exact_route_on_split_Q6_K_weights_keeps_its_bits(tiny, monkeypatch):
         load_model(path, "pinned")
 
 
-def test_batched_prefill_rejoins_the_split_Q6_K_rows(tiny):
-    """A batched prefill runs no matvec kernel: with mv_q8_q6k its Q6_K matmuls dequantize the
-    split matrices rejoined (QLinear.raw_blocks), so its logits are the exact route's, bit for bit."""
+def test_batched_prefill_on_split_Q6_K_rows_keeps_the_exact_bits(tiny, monkeypatch):
+    """A batched prefill runs no matvec kernel: its Q6_K matmuls dequantize the split matrices as
+    they are held (kind "q6_K_split", no rejoined copy), with mv_q8_q6k and with the exact route's
+    own split form (MUSE_MLX_Q6K_SPLIT=1), so its logits are the raw blocks', bit for bit."""
     from muse_mlx.generate import batched_prefill
 
     path = tiny("muse-glimmer")
-    out = {}
-    for flags in ((), ("mv_q8", "mv_q8_q6k")):
+    out, kinds, dequant = {}, [], K.dequantize_rows
+
+    def spy(w, kind, *a, **kw):
+        kinds.append(kind)
+        return dequant(w, kind, *a, **kw)
+
+    monkeypatch.setattr(K, "dequantize_rows", spy)
+    for split, flags in (("0", ()), ("0", ("mv_q8", "mv_q8_q6k")), ("1", ())):
+        monkeypatch.setenv("MUSE_MLX_Q6K_SPLIT", split)
         model = load_model(path, "pinned", flags)
         model.kv_dtype = mx.float32
+        kinds.clear()
         with batched_prefill(model.route, "batched"):
-            out[flags] = np.array(model(mx.array([TOKENS]))[0])
+            out[split, flags] = np.array(model(mx.array([TOKENS]))[0])
         assert model.route.dispatches["dequant_matmul"] > 0 and model.route.dispatches["mul_mv_q6_K_q8"] == 0
-    np.testing.assert_array_equal(out[()].view(np.uint32), out[("mv_q8", "mv_q8_q6k")].view(np.uint32))
+        held = "q6_K_split" if flags or split == "1" else "q6_K"
+        assert held in kinds and ({"q6_K", "q6_K_split"} - {held}).isdisjoint(kinds), kinds
+    want = out["0", ()].view(np.uint32)
+    for key, got in out.items():
+        np.testing.assert_array_equal(got.view(np.uint32), want, err_msg=str(key))
 
 
 def test_switching_forms_frees_the_old_ones_a_dead_compiled_step_traced(tiny):

@@ -167,16 +167,23 @@ MUSE_FN uint load_u32_from_u16(device const uchar* p) {
     return uint(s[0]) | (uint(s[1]) << 16);
 }
 
-// Values 4s .. 4s+3 of a run of Q6_K blocks (gguf-py's bits). Value v = 128h + 32k + l: low
+// Values 4s .. 4s+3 of a run of nb Q6_K blocks (gguf-py's bits). Value v = 128h + 32k + l: low
 // nibble (k < 2) or high nibble of ql byte 64h + l + 32(k%2), high bits 2k.. of qh byte 32h + l.
-MUSE_FN float4 q6K_dequant4(device const uchar* w, uint s) {
+// Raw blocks (SPLIT 0) are 210 bytes, 2-byte aligned: ushort loads. The split form (SPLIT 1,
+// quants.split_q6_K) has 208-byte bodies, 16-byte aligned, and every block's half d after all
+// of them: the same words, read whole.
+template <int SPLIT>
+MUSE_FN float4 q6K_dequant4(device const uchar* w, uint s, uint nb) {
     const uint blk_i = s / 64, v = 4 * (s % 64);
     const uint h = v / 128, k = (v % 128) / 32, l = v % 32;
-    device const uchar* blk = w + (ulong)blk_i * 210u;  // 2-byte aligned: ushort loads
-    const float d = float(*(device const half*)(blk + 208));
+    device const uchar* blk = w + (ulong)blk_i * (SPLIT ? 208u : 210u);
+    device const uchar* dp = SPLIT ? w + (ulong)nb * 208u + 2u * blk_i : blk + 208;
+    const float d = float(*(device const half*)dp);
     const float scale = d * float(int(as_type<char>(blk[192 + v / 16])));
-    const uint lo = load_u32_from_u16(blk + 64 * h + l + 32 * (k % 2)) >> (k < 2 ? 0u : 4u);
-    const uint hi = load_u32_from_u16(blk + 128 + 32 * h + l) >> (2 * k);
+    device const uchar* pl = blk + 64 * h + l + 32 * (k % 2);
+    device const uchar* ph = blk + 128 + 32 * h + l;
+    const uint lo = (SPLIT ? *(device const uint*)pl : load_u32_from_u16(pl)) >> (k < 2 ? 0u : 4u);
+    const uint hi = (SPLIT ? *(device const uint*)ph : load_u32_from_u16(ph)) >> (2 * k);
     float4 out;
     for (int e = 0; e < 4; ++e) {
         const uint code = ((lo >> (8 * e)) & 0xFu) | (((hi >> (8 * e)) & 3u) << 4);
@@ -185,10 +192,10 @@ MUSE_FN float4 q6K_dequant4(device const uchar* w, uint s) {
     return out;
 }
 
-// Values 4s .. 4s+3 of a run of blocks of type TYPE (0 Q4_K, 1 Q6_K).
+// Values 4s .. 4s+3 of a run of nb blocks of type TYPE (0 Q4_K, 1 Q6_K, 2 Q6_K split).
 template <int TYPE>
-MUSE_FN float4 dequant4(device const uchar* w, uint s) {
-    return TYPE == 0 ? q4K_dequant4(w, s) : q6K_dequant4(w, s);
+MUSE_FN float4 dequant4(device const uchar* w, uint s, uint nb) {
+    return TYPE == 0 ? q4K_dequant4(w, s) : q6K_dequant4<TYPE == 2>(w, s, nb);
 }
 
 // The weight loads of one round of U blocks (jb, jb+4, ...) of each of NR rows: per block-row
@@ -677,7 +684,7 @@ MUSE_FN float lane_group_sum(float v) {
     }
 
 // ==== kernel: dequant_f32
-// Raw Q4_K (TYPE 0) or Q6_K (TYPE 1) rows -> float32, bit-equal to gguf-py (q4K_dequant4,
+// Raw Q4_K (TYPE 0) or Q6_K (TYPE 1) rows, or a split Q6_K matrix (TYPE 2) -> float32, bit-equal to gguf-py (q4K_dequant4,
 // q6K_dequant4). For the batched prefill's matmul and the embedding row. A "quad" is 4
 // consecutive values; thread s takes four quads, 32 apart, so a SIMD group's stores are four
 // contiguous 512-byte runs, and loads all four before converting any.
@@ -686,7 +693,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
     float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1), count[0] / 64);
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0]) ((device float4*)out)[q0 + 32 * k] = v[k];
 
@@ -697,7 +704,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
     float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1));
+    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1), count[0] / 64);
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0])
             for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);
@@ -712,7 +719,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint s = thread_position_in_grid.x;
     if (s >= count[0]) return;
     const uint row = min(uint(tokens[s / KQ]), uint(R - 1));
-    ((device float4*)out)[s] = dequant4<TYPE>(w + (ulong)row * ROWB, s % KQ);
+    ((device float4*)out)[s] = dequant4<TYPE>(w + (ulong)row * ROWB, s % KQ, 0);  // raw rows only
 
 // ==== kernel: mul_mv_q4_K_q8_multi
 // OPT-IN, NOT EXACT (pinned flag mv_q8): the activations are quantized to int8 per 32 values

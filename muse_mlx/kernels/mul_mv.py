@@ -759,16 +759,20 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
 
 
 def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.array:
-    """Raw Q4_K/Q6_K rows ``[..., row_bytes]`` -> ``[..., K]`` in one dispatch: float32 bit-equal
-    to gguf-py, or (``dtype=mx.float16``) those values rounded to nearest half."""
+    """Raw Q4_K/Q6_K rows ``[..., row_bytes]``, or a whole Q6_K matrix in the split form (kind
+    "q6_K_split", :func:`~muse_mlx.quants.split_q6_K`), -> ``[..., K]`` in one dispatch: float32
+    bit-equal to gguf-py, or (``dtype=mx.float16``) those values rounded to nearest half."""
     from ..quants import dequantize
     from gguf import GGMLQuantizationType as T
 
     if dtype not in (mx.float32, mx.float16):
         raise ValueError(f"dequantize_rows gives float32 or float16, not {dtype}")
+    if kind == "q6_K_split" and w.ndim != 2:
+        raise ValueError(f"a split Q6_K matrix is [R, whole 210-byte blocks], got {w.shape}")
     which = which or backend()
     if which == "cpu":
-        return dequantize(w, T.Q4_K if kind == "q4_K" else T.Q6_K).astype(dtype)
+        raw = join_q6_K(w) if kind == "q6_K_split" else w
+        return dequantize(raw, T.Q4_K if kind == "q4_K" else T.Q6_K).astype(dtype)
     K = w.shape[-1] // BLOCK_BYTES[kind] * 256
     quads = w.size // BLOCK_BYTES[kind] * 64  # four values each
     threads = -(-quads // 128) * 32  # four quads each (whole SIMD groups: 128 quads per 32 threads)
