@@ -24,6 +24,7 @@ from functools import reduce
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from .quants import FORMATS, HI_LO_GROUP, dequantize, join_q6_K, split_q6_K, to_affine, to_affine_hi_lo
@@ -57,7 +58,8 @@ class QLinear(nn.Module):
         elif form == "q6_K_split":
             if qtype != T.Q6_K:
                 raise ValueError(f"the split form is for Q6_K rows, not {qtype.name}")
-            self.weight = split_q6_K(raw)
+            split = split_q6_K(raw)  # numpy rows (the loader's) are split on the host, then moved
+            self.weight = mx.array(split) if isinstance(split, np.ndarray) else split
         else:
             raise ValueError(f"unknown linear form {form!r}")
 

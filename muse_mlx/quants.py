@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from gguf import GGMLQuantizationType as T
 
 QK_K = 256
@@ -221,13 +222,16 @@ Q6_K_BLOCK = FORMATS[T.Q6_K].type_size  # 210
 Q6_K_BODY = Q6_K_BLOCK - 2  # 208: all but d
 
 
-def split_q6_K(rows: mx.array) -> mx.array:
-    """Raw Q6_K rows ``[R, nb*210]`` -> the split form (uint8, the same shape; see above)."""
+def split_q6_K(rows):
+    """Raw Q6_K rows ``[R, nb*210]`` -> the split form (uint8, the same shape; see above). An MLX
+    array gives an MLX array; a numpy one (the loader's, so that the device never holds a matrix
+    in both forms) gives numpy."""
     if rows.ndim != 2 or rows.shape[1] % Q6_K_BLOCK:
         raise ValueError(f"Q6_K rows must be [R, whole 210-byte blocks], got {rows.shape}")
+    xp = np if isinstance(rows, np.ndarray) else mx
     R, nb = rows.shape[0], rows.shape[1] // Q6_K_BLOCK
     b = rows.reshape(R * nb, Q6_K_BLOCK)
-    return mx.concatenate([b[:, :Q6_K_BODY].reshape(-1), b[:, Q6_K_BODY:].reshape(-1)]).reshape(R, nb * Q6_K_BLOCK)
+    return xp.concatenate([b[:, :Q6_K_BODY].reshape(-1), b[:, Q6_K_BODY:].reshape(-1)]).reshape(R, nb * Q6_K_BLOCK)
 
 
 def join_q6_K(split: mx.array) -> mx.array:

@@ -219,6 +219,23 @@ def test_exact_route_on_split_Q6_K_weights_keeps_its_bits(tiny, monkeypatch):
         load_model(path, "pinned")
 
 
+def test_split_form_is_made_on_the_host_so_loading_peaks_no_higher(tiny, monkeypatch):
+    """The loader splits Q6_K rows before they reach the device: made there, the raw rows were held
+    beside the split copy (the release head: 2.2 GB more at load on the H200, nineteenth session).
+    So a load with the split form peaks no higher than one with the raw blocks."""
+    path, peaks = tiny("muse-glimmer"), {}
+    for split in ("0", "1"):
+        monkeypatch.setenv("MUSE_MLX_Q6K_SPLIT", split)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        model = load_model(path, "pinned")
+        peaks[split] = mx.get_peak_memory()
+        forms = {m.form for _, m in model.named_modules() if getattr(m, "qtype", None) == T.Q6_K}
+        assert forms == {"q6_K_split" if split == "1" else "blocks"}
+        del model
+    assert peaks["1"] <= peaks["0"], peaks
+
+
 def test_batched_prefill_on_split_Q6_K_rows_keeps_the_exact_bits(tiny, monkeypatch):
     """A batched prefill runs no matvec kernel: its Q6_K matmuls dequantize the split matrices as
     they are held (kind "q6_K_split", no rejoined copy), with mv_q8_q6k and with the exact route's

@@ -179,7 +179,7 @@ def test_quantizers_round_trip_within_their_resolution(qtype, bound):
 
 
 def test_q6_k_split_form_holds_the_same_bytes():
-    """The split form (flag mv_q8_q6k): the same bytes, every 208-byte body first (16-byte aligned),
+    """The split form (mv_q8_q6k; the exact lanes' on CUDA): the same bytes, every 208-byte body first (16-byte aligned),
     then the d's; joining it gives the raw rows back."""
     from muse_mlx.quants import join_q6_K, split_q6_K
 
@@ -195,5 +195,9 @@ def test_q6_k_split_form_holds_the_same_bytes():
             assert np.array_equal(flat[208 * n : 208 * (n + 1)], blk[:208])
             assert np.array_equal(flat[208 * 6 + 2 * n : 208 * 6 + 2 * n + 2], blk[208:])
     assert np.array_equal(np.array(join_q6_K(mx.array(sp))), raw)
+    host = split_q6_K(raw)  # numpy in, numpy out: the loader splits on the host
+    assert isinstance(host, np.ndarray) and np.array_equal(host, sp)
     with pytest.raises(ValueError, match="whole 210-byte blocks"):
         split_q6_K(mx.array(raw[:, :300]))
+    with pytest.raises(ValueError, match="whole 210-byte blocks"):
+        split_q6_K(raw[:, :300])
