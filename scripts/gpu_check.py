@@ -560,6 +560,40 @@ def check_glu_warps(rng, quick):
     compare("decode GLU 16 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
 
 
+def check_mv_warps(rng, quick):
+    """The lone exact Q4_K matvec and the multi kernel compiled for 24 and 28 resident warps per SM
+    (MUSE_MLX_Q4K_WARPS, MUSE_MLX_MULTI_WARPS: launch bounds, 80 and 72 registers with spills)
+    against the same kernels unbounded, all rows, edge activations, plain and prepared; then a tiny
+    model's decode with both bounds against without: register allocation must not move a bit."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    nsg = mul_mv.mv_geometry("tuned", WHICH, "q4_K")[1]
+    x, h = edge_activations(rng, D), edge_activations(rng, ff)
+    mats = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
+            (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
+    down, attn_out = random_blocks(D, ff, T.Q4_K, rng), random_blocks(D, qw, T.Q4_K, rng)
+    a = edge_activations(rng, qw)
+    for warps in (24, 28):
+        key = ("cuda", bounds_of((32, nsg, 1), warps // nsg))
+        for name, y, w in (("ffn_down", h, down), ("attn_output", a, attn_out)):
+            want = gpu_as(mul_mv._Q4_K, ("cuda", None), K.mul_mv_q4_K, y, w)
+            with env("MUSE_MLX_Q4K_WARPS", str(warps)):
+                got = gpu_as(mul_mv._Q4_K, key, K.mul_mv_q4_K, y, w)
+            compare(f"mul_mv_q4_K_f32 {warps} warps == unbounded", f"{name} {w.shape[0]}x{y.shape[-1]} edge y", got, want,
+                    note="all rows")
+        for prep in (None, mul_mv.q4_K_prepared(x)):
+            want = gpu_as(mul_mv._MULTI, ("cuda", None), K.mul_mv_multi, x, mats, prep=prep)
+            with env("MUSE_MLX_MULTI_WARPS", str(warps)):
+                got = gpu_as(mul_mv._MULTI, key, K.mul_mv_multi, x, mats, prep=prep)
+            compare(f"mul_mv_multi_f32 {warps} warps == unbounded", f"q,k,v(Q6_K),gate x {D}{' prepared' if prep else ''}",
+                    got, want, note="edge y")
+    model, tokens = tiny_model(rng, 24)
+    base = tiny_decode(model, tokens)
+    with env("MUSE_MLX_Q4K_WARPS", "24"), env("MUSE_MLX_MULTI_WARPS", "24"):
+        got = tiny_decode(model, tokens)
+    compare("decode Q4_K and multi 24 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
+
+
 def check_head_warps(rng, quick):
     """The vocabulary head at its tuned geometry, compiled with its launch bounds (HEAD_WARPS: the
     occupancy it was tuned at) and without (MUSE_MLX_HEAD_WARPS=0), each against the oracle: the
@@ -661,7 +695,7 @@ def transcendental_ulps(rng, quick=False):
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
-                glu_warps=check_glu_warps, head_warps=check_head_warps, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
+                glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

@@ -690,6 +690,33 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     assert c["bounds"] is None and "#undef __global__" not in src and "custom_kernel_mul_mv_glu_f32(" in src
 
 
+def test_q4K_and_multi_warps_switches_bound_their_own_kernels(monkeypatch):
+    """MUSE_MLX_Q4K_WARPS bounds the lone Q4_K matvec and MUSE_MLX_MULTI_WARPS the multi kernel, each
+    as threadgroups per SM of its geometry under a name of its own; neither touches the other, the
+    lone Q6_K matvec or the GLU; none by default (the tables are 0 until a lease times them)."""
+    y, q4, q6 = arr(1, 256), qrows(8, 256, "q4_K"), qrows(8, 256, "q6_K")
+    for var in ("MUSE_MLX_Q4K_WARPS", "MUSE_MLX_MULTI_WARPS", "MUSE_MLX_GLU_WARPS", "MUSE_MLX_HEAD_WARPS"):
+        monkeypatch.delenv(var, raising=False)
+    lone = lambda: record_one(K.mul_mv_q4_K, y, q4, geometry="2x2x1x1")  # noqa: E731
+    multi = lambda: record_one(K.mul_mv_multi, y, [(q4, "q4_K"), (q6, "q6_K")], geometry="2x2x1x1")  # noqa: E731
+    assert lone()["bounds"] is None and multi()["bounds"] is None
+    monkeypatch.setenv("MUSE_MLX_Q4K_WARPS", "24")
+    c = lone()
+    assert c["bounds"] == (64, 12) and "custom_kernel_mul_mv_q4_K_f32_lb64x12(" in Kernel.recorded_source(c)
+    assert multi()["bounds"] is None and record_one(K.mul_mv_q6_K, y, q6)["bounds"] is None
+    assert record_one(K.mul_mv_glu, y, q4, q4, "q4_K")["bounds"] is None
+    monkeypatch.delenv("MUSE_MLX_Q4K_WARPS")
+    monkeypatch.setenv("MUSE_MLX_MULTI_WARPS", "28")
+    c = multi()
+    assert c["bounds"] == (64, 14) and "custom_kernel_mul_mv_multi_f32_lb64x14(" in Kernel.recorded_source(c)
+    assert lone()["bounds"] is None
+    assert mul_mv.q4K_min_blocks("metal", 2) == mul_mv.multi_min_blocks("cpu", 2) == 0
+    for var, fn in (("MUSE_MLX_Q4K_WARPS", mul_mv.q4K_min_blocks), ("MUSE_MLX_MULTI_WARPS", mul_mv.multi_min_blocks)):
+        monkeypatch.setenv(var, "25")
+        with pytest.raises(ValueError, match=var):
+            fn("cuda", 2)
+
+
 def test_head_is_bounded_at_its_tuned_geometry_only(monkeypatch):
     """The vocabulary head keeps the occupancy its tuned geometry was timed at (HEAD_WARPS, as
     launch bounds under a name of its own); any other head geometry, and the other Q6_K matrices,

@@ -305,6 +305,28 @@ def head_min_blocks(which: str, geometry: tuple[int, int, int, int]) -> int:
     return _bounded_warps(which, geometry[1], default, "MUSE_MLX_HEAD_WARPS", "the head") // geometry[1]
 
 
+# Resident warps per SM that the lone exact Q4_K matvec (attn_output, a Q4_K ffn_down) and the
+# multi kernel (q|k|v|gate) are compiled for on CUDA (0: ptxas's own choice). Unbounded they hold
+# 95-96 registers, 20 warps per SM, so the release's 1,664 and 2,176 threadgroups of two warps
+# run in 1.26 and 1.65 waves, and issue on 45-60 % of the cycles (ncu on the H200, nineteenth
+# session, docs/performance.md). A bound buys a fuller last wave with registers; the bits cannot
+# change (the same instructions, allocated differently). Not yet timed, so none by default.
+Q4K_WARPS = {"cuda": 0}
+MULTI_WARPS = {"cuda": 0}
+
+
+def q4K_min_blocks(which: str, nsg: int) -> int:
+    """Threadgroups per SM the lone Q4_K matvec is bounded for (:data:`Q4K_WARPS`;
+    ``MUSE_MLX_Q4K_WARPS=N`` overrides it: N a multiple of ``nsg``, at most 64; 0 for none)."""
+    return _bounded_warps(which, nsg, Q4K_WARPS.get("cuda", 0), "MUSE_MLX_Q4K_WARPS", "the Q4_K matvec") // nsg
+
+
+def multi_min_blocks(which: str, nsg: int) -> int:
+    """Threadgroups per SM the multi kernel is bounded for (:data:`MULTI_WARPS`;
+    ``MUSE_MLX_MULTI_WARPS=N`` overrides it, as for :func:`q4K_min_blocks`)."""
+    return _bounded_warps(which, nsg, MULTI_WARPS.get("cuda", 0), "MUSE_MLX_MULTI_WARPS", "the multi kernel") // nsg
+
+
 def q4K_prep(which: str) -> bool:
     """Whether the exact tails write their output prepared for the Q4_K matvecs after them
     (``tail_dual_eps_q4``; the matvecs' ``prep=``): on a GPU whose lanes take the halves form
@@ -388,7 +410,9 @@ def _launch(kernel, y, w, which, geometry, kind, split=False):
         template.append(("SPLIT", int(split)))
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
-        template=template, which=which, min_blocks=head_min_blocks(which, (nr0, nsg, u, p)) if kind == "q6_K head" else 0,
+        template=template, which=which,
+        min_blocks=(head_min_blocks(which, (nr0, nsg, u, p)) if kind == "q6_K head"
+                    else q4K_min_blocks(which, nsg) if qtype == "q4_K" else 0),
     )
     return dst
 
@@ -463,7 +487,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
         mats + [y] + prepared, [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T),
-        threadgroup=(32, nsg, 1), template=template, which=which,
+        threadgroup=(32, nsg, 1), template=template, which=which, min_blocks=multi_min_blocks(which, nsg),
     )
     return dst
 
