@@ -138,3 +138,20 @@ def test_env_ab_must_name_a_variable_and_values(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("muse_mlx.synthetic.ensure_synthetic", lambda *a, **k: None)
     assert gt.main(["--file", str(tmp_path / "none.gguf"), "--env-ab", "MUSE_MLX_Q8_TAIL"]) == 2
     assert "is not NAME=V1,V2" in capsys.readouterr().err
+
+
+def test_profile_decode_without_cuda_says_so_and_writes_nothing(tmp_path):
+    """scripts/profile_decode.py (a decode for ncu) needs MLX's CUDA backend: elsewhere it exits 2
+    with that reason, before it would write the 16.9 GB checkpoint it was pointed at."""
+    import subprocess
+
+    import mlx.core as mx
+
+    if mx.cuda.is_available():
+        pytest.skip("this machine has CUDA: the script would run")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
+    target = tmp_path / "mg.gguf"
+    proc = subprocess.run([sys.executable, str(script), "--file", str(target)], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs MLX's CUDA backend" in proc.stderr
+    assert not target.exists()
