@@ -228,6 +228,8 @@ def test_dequantize_kernels():
             assert_bits_equal(emulate_recorded(K.dequantize_rows, split_q6_K(w), "q6_K_split"), want)
             assert_bits_equal(emulate_recorded(K.dequantize_rows, split_q6_K(w), "q6_K_split", mx.float16),
                               want.astype(np.float16))
+            with pytest.raises(ValueError, match="raw Q4_K/Q6_K rows, not 'q6_K_split'"):
+                K.embed_rows(split_q6_K(w), mx.array([0]), "q6_K_split")
 
 
 @emulator
