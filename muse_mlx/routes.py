@@ -31,6 +31,11 @@ from .quants import FORMATS
 ROUTES = ("stock", "pinned")
 _KIND = {T.Q4_K: "q4_K", T.Q6_K: "q6_K"}  # the raw-block types the pinned matvecs read
 
+
+def _kind_of(w) -> str:
+    """The kernels' name for how a raw-form weight's bytes lie: its type's, or the split form's."""
+    return "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]
+
 # Opt-in fusions of the pinned route, named after the reference engine's kernels.
 PINNED_FLAGS = {
     "tail_32sg": "legacy one-token dual-eps tail (rsqrt, serial 32-partial combine): NOT exact vs llama.cpp",
@@ -274,8 +279,7 @@ class PinnedRoute(Route):
             if self._batched(x):
                 self.count("dequant_matmul")
                 # a split matrix is read as it is held: no rejoined copy per prompt chunk
-                kind = "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]
-                wd = kernels.dequantize_rows(w.weight, kind, self.batched)
+                wd = kernels.dequantize_rows(w.weight, _kind_of(w), self.batched)
                 xd = x.astype(wd.dtype)
                 self._commit(xd, wd)
                 y = xd @ wd.T
@@ -307,7 +311,7 @@ class PinnedRoute(Route):
         # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs
         # them one by one; each row gets the same bits either way).
         if len(ws) <= 4 and not self._batched(x) and all(w.form in RAW_FORMS and w.qtype in _KIND for w in ws):
-            mats = [(w.weight, "q6_K_split" if w.form == "q6_K_split" else _KIND[w.qtype]) for w in ws]
+            mats = [(w.weight, _kind_of(w)) for w in ws]
             if "mv_q8" in self.flags:
                 self.count("mul_mv_q4_K_q8 (multi)")
                 return kernels.mul_mv_q8(x, mats, q8=self._form_of(x, "q8"))
@@ -379,8 +383,8 @@ class PinnedRoute(Route):
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")
-            return kernels.mul_mv_glu(x, gate.weight, up.weight, "q6_K_split" if split else _KIND[gate.qtype],
-                                      activation, prep=prep if gate.qtype == T.Q4_K else None)
+            return kernels.mul_mv_glu(x, gate.weight, up.weight, _kind_of(gate), activation,
+                                      prep=prep if gate.qtype == T.Q4_K else None)
         return super().ffn_gate_up(x, gate, up, activation)
 
     def attn_gate(self, o, g):

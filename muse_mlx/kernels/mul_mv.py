@@ -432,7 +432,7 @@ def mul_mv_q6_K(y, w, which=None, geometry: str = "tuned", head: bool = False, s
     with aligned loads (:func:`q6K_split`)."""
     which = which or backend()
     if which == "cpu":
-        return mul_mv_q6_K_oracle(y, join_q6_K(w) if split else w)
+        return ORACLES["q6_K_split" if split else "q6_K"](y, w)
     return _launch(_Q6_K, y, w, which, geometry, "q6_K head" if head else "q6_K", split)
 
 
