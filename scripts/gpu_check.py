@@ -25,6 +25,7 @@ as the longest of them, 224 s). Each section then draws its own random inputs, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -231,7 +232,7 @@ def check_geometries(rng, quick):
             ref = gpu(fn, x, w, geometry="ggml")
             for geometry in ("tuned", "1x4", "2x4", "4x2", "4x4", "2x8", "8x2", "1x8", "2x2x2", "2x4x2", "4x2x2", "4x4x2",
                              "1x8x2", "2x2x1x1", "2x2x2x1", "4x4x1x1", "4x4x2x1", "1x2x1x1", "2x2x1x2", "2x4x1x2",
-                             "2x2x1x3"):
+                             "2x2x1x3", "3x2", "3x2x1x1"):
                 compare(f"mul_mv_{qtype.name}_f32 {geometry} == ggml 2x2", f"{rows}x{k} T=2",
                         gpu(fn, x, w, geometry=geometry), ref, note="all rows")
 
@@ -567,20 +568,21 @@ def check_mv_warps(rng, quick):
     model's decode with both bounds against without: register allocation must not move a bit."""
     D, ff = (6656, 19968) if not quick else (512, 768)
     qw, kvw = (4096, 256) if not quick else (256, 64)
-    nsg = mul_mv.mv_geometry("tuned", WHICH, "q4_K")[1]
+    nsg = {kind: mul_mv.mv_geometry("tuned", WHICH, kind)[1] for kind in ("q4_K single", "q4_K multi")}
     x, h = edge_activations(rng, D), edge_activations(rng, ff)
     mats = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
             (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
     down, attn_out = random_blocks(D, ff, T.Q4_K, rng), random_blocks(D, qw, T.Q4_K, rng)
     a = edge_activations(rng, qw)
     for warps in (24, 28):
-        key = ("cuda", bounds_of((32, nsg, 1), warps // nsg))
+        key = ("cuda", bounds_of((32, nsg["q4_K single"], 1), warps // nsg["q4_K single"]))
         for name, y, w in (("ffn_down", h, down), ("attn_output", a, attn_out)):
             want = gpu_as(mul_mv._Q4_K, ("cuda", None), K.mul_mv_q4_K, y, w)
             with env("MUSE_MLX_Q4K_WARPS", str(warps)):
                 got = gpu_as(mul_mv._Q4_K, key, K.mul_mv_q4_K, y, w)
             compare(f"mul_mv_q4_K_f32 {warps} warps == unbounded", f"{name} {w.shape[0]}x{y.shape[-1]} edge y", got, want,
                     note="all rows")
+        key = ("cuda", bounds_of((32, nsg["q4_K multi"], 1), warps // nsg["q4_K multi"]))
         for prep in (None, mul_mv.q4_K_prepared(x)):
             want = gpu_as(mul_mv._MULTI, ("cuda", None), K.mul_mv_multi, x, mats, prep=prep)
             with env("MUSE_MLX_MULTI_WARPS", str(warps)):
@@ -592,6 +594,60 @@ def check_mv_warps(rng, quick):
     with env("MUSE_MLX_Q4K_WARPS", "24"), env("MUSE_MLX_MULTI_WARPS", "24"):
         got = tiny_decode(model, tokens)
     compare("decode Q4_K and multi 24 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
+
+
+# The geometries the twentieth session times per Q4_K kind (the lone calls' and the multi kernel's
+# grids run 1.26 and 1.65 waves at their tuned 2x2x1x1; P = 0 and NR0 3 or 4 fit in one).
+KIND_GEOMETRIES = {"MUSE_MLX_MV_GEOMETRY_SINGLE": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
+                   "MUSE_MLX_MV_GEOMETRY_MULTI": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
+                   "MUSE_MLX_MV_GEOMETRY": ("2x2x1x0", "4x2x1x0")}
+
+
+def check_kind_geometries(rng, quick):
+    """The lone Q4_K matvec, the multi kernel and the GLU at the geometries of KIND_GEOMETRIES, each
+    set through its kind's variable, against the same call at the tuned geometry: all rows, edge
+    activations, plain and prepared; then a tiny model's decode with each kind at such a geometry
+    against the tuned decode. A geometry must not move a bit."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
+    prep = mul_mv.q4_K_prepared(x)
+    mats = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
+            (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
+    down, attn_out = random_blocks(D, ff, T.Q4_K, rng), random_blocks(D, qw, T.Q4_K, rng)
+    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    calls = {"MUSE_MLX_MV_GEOMETRY_SINGLE": [
+                 (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda which: K.mul_mv_q4_K(h, down, which=which)),
+                 (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda which: K.mul_mv_q4_K(a, attn_out, which=which))],
+             "MUSE_MLX_MV_GEOMETRY_MULTI": [
+                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda which: K.mul_mv_multi(x, mats, which=which)),
+                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
+                  lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep))],
+             "MUSE_MLX_MV_GEOMETRY": [
+                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
+                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared",
+                  lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep))]}
+    # the GLU's variable would move the lone and multi calls too: they are held at their tuned ones
+    held = {"MUSE_MLX_MV_GEOMETRY_SINGLE": "x".join(map(str, mul_mv.mv_geometry("tuned", WHICH, "q4_K single"))),
+            "MUSE_MLX_MV_GEOMETRY_MULTI": "x".join(map(str, mul_mv.mv_geometry("tuned", WHICH, "q4_K multi")))}
+    for var, geometries in KIND_GEOMETRIES.items():
+        for name, call in calls[var]:
+            want = gpu(call)
+            for geometry in geometries:
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(env(var, geometry))
+                    if var == "MUSE_MLX_MV_GEOMETRY":
+                        for other, g in held.items():
+                            stack.enter_context(env(other, g))
+                    got = gpu(call)
+                compare(f"{name} {geometry} == tuned", "edge y", got, want, note=f"{var}, all rows")
+    model, tokens = tiny_model(rng, 24)
+    base = tiny_decode(model, tokens)
+    for var, geometries in KIND_GEOMETRIES.items():
+        for geometry in geometries:
+            with env(var, geometry):
+                got = tiny_decode(model, tokens)
+            compare(f"decode {var}={geometry} == tuned", "tiny muse-glimmer, 16 tokens", got, base)
 
 
 def check_head_warps(rng, quick):
@@ -695,7 +751,8 @@ def transcendental_ulps(rng, quick=False):
 
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
-                glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
+                glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps,
+                kind_geometries=check_kind_geometries, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

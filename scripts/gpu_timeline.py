@@ -397,9 +397,10 @@ def main(argv=None) -> int:
     ap.add_argument("--not-compiled", action="store_true", help="run the decode step without mx.compile")
     ap.add_argument("--geometries", default="", help="comma-separated matvec geometries to trace, each Q4K/Q6K as "
                     "NR0xNSG[xU[xP]] (e.g. 2x2x2/4x4x1x1), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
-    ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: trace every decode case once per value of the "
-                    "environment variable NAME (a kernel switch such as MUSE_MLX_Q8_TAIL; read when the step is "
-                    "traced), in turn, twice over")
+    ap.add_argument("--env-ab", action="append", default=[], help="NAME=V1,V2,...: trace every decode case once per "
+                    "value of the environment variable NAME (a kernel switch such as MUSE_MLX_Q8_TAIL; read when the "
+                    "step is traced), in turn, twice over; repeated, one such sweep after another, each with the "
+                    "other sweeps' variables as the command's environment leaves them")
     ap.add_argument("--prefill", type=int, default=0, help="also trace one prefill of this many tokens (default: none)")
     ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
     ap.add_argument("--prefill-wait-ab", action="store_true",
@@ -445,13 +446,16 @@ def main(argv=None) -> int:
         if g is not None and len(g) != 2:
             print(f"--geometries: {'/'.join(g)!r} is not Q4K/Q6K", file=sys.stderr)
             return 2
-    env_name, env_values = None, [None]
+    env_settings = [(None, None)]  # (NAME, value) per traced setting; (None, None): the environment as it is
     if args.env_ab:
-        env_name, sep, values = args.env_ab.partition("=")
-        if not sep or not env_name or not values:
-            print(f"--env-ab: {args.env_ab!r} is not NAME=V1,V2,...", file=sys.stderr)
-            return 2
-        env_values = values.split(",") * 2  # alternated, twice: a drift between runs shows as such
+        env_settings = []
+        for sweep in args.env_ab:
+            env_name, sep, values = sweep.partition("=")
+            if not sep or not env_name or not values:
+                print(f"--env-ab: {sweep!r} is not NAME=V1,V2,...", file=sys.stderr)
+                return 2
+            # alternated, twice: a drift between runs shows as such
+            env_settings += [(env_name, v) for v in values.split(",") * 2]
     model = load_model(path, args.route, progress=False)
     if args.prefill:
         schedules = [(True, None)] + ([(False, None)] if args.prefill_wait_ab else [])
@@ -475,8 +479,8 @@ def main(argv=None) -> int:
                 out["cases"].append(case)
                 mx.clear_cache()
     cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
-             for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_values]
-    for flags, g, ctx, env_value in cases:
+             for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_settings]
+    for flags, g, ctx, (env_name, env_value) in cases:
         model.set_flags(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g

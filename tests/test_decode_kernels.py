@@ -116,7 +116,7 @@ def test_decode_attention_oracle_matches_float64(h, hkv, d, cap, window, pos):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1", "2x2x2", "1x4x3", "4x2x2", "4x4x2"])
+@pytest.mark.parametrize("geometry", ["ggml", "1x1", "4x2", "2x4", "4x4", "8x1", "2x2x2", "1x4x3", "4x2x2", "4x4x2", "3x2"])
 @pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
 def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
     """NR0 rows per SIMD group and NSG groups per threadgroup change the launch, not the bits."""
@@ -126,7 +126,7 @@ def test_every_matvec_geometry_gives_ggml_bits(kind, geometry):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["2x2x1x1", "1x4x3x1", "4x2x2x1", "2x2x1x2", "1x2x2x3"])
+@pytest.mark.parametrize("geometry", ["2x2x1x1", "1x4x3x1", "4x2x2x1", "2x2x1x2", "1x2x2x3", "3x2x1x1"])
 @pytest.mark.parametrize("k", [768, 3328, 4864])
 @pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
 def test_loads_issued_a_round_early_give_ggml_bits(kind, k, geometry):
@@ -139,7 +139,7 @@ def test_loads_issued_a_round_early_give_ggml_bits(kind, k, geometry):
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["ggml", "4x2", "2x2x2", "2x2x1x1"])
+@pytest.mark.parametrize("geometry", ["ggml", "4x2", "2x2x2", "2x2x1x1", "3x2", "3x2x1x1"])
 def test_multi_kernel(geometry):
     y = arr(2, 512)
     ws = [(qrows(36, 512, "q4_K"), "q4_K"), (qrows(8, 512, "q4_K"), "q4_K"), (qrows(5, 512, "q6_K"), "q6_K"),
@@ -167,7 +167,7 @@ def test_absent_matrix_slots_do_not_repeat_a_matrix():
 
 
 @emulator
-@pytest.mark.parametrize("geometry", ["2x2", "4x2x2", "2x2x1x1"])
+@pytest.mark.parametrize("geometry", ["2x2", "4x2x2", "2x2x1x1", "4x2"])
 @pytest.mark.parametrize("kind,act", [("q4_K", "silu"), ("q6_K", "silu"), ("q4_K", "gelu_tanh")])
 def test_glu_kernel(kind, act, geometry):
     g, u, y = qrows(37, 768, kind), qrows(37, 768, kind), arr(2, 768, scale=0.2)

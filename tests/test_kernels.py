@@ -113,6 +113,15 @@ def test_matvec_geometry_strings(monkeypatch):
     monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY_HEAD", "8x2")  # unless the head has its own setting
     assert mul_mv.mv_geometry("tuned", "cuda", "q6_K head") == (8, 2, 1, 0)
     assert mul_mv.mv_geometry("tuned", "cuda", "q6_K") == (1, 8, 1, 3)
+    # the lone and multi Q4_K calls follow the GLU's variable unless they have their own
+    monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY", "4x2")
+    monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY_MULTI", "3x2")
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K") == (4, 2, 1, 0)
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K single") == (4, 2, 1, 0)
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K multi") == (3, 2, 1, 0)
+    monkeypatch.setenv("MUSE_MLX_MV_GEOMETRY_SINGLE", "2x2x1x0")
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K single") == (2, 2, 1, 0)
+    assert mul_mv.mv_geometry("tuned", "cuda", "q4_K") == (4, 2, 1, 0)
     for bad in ("2x2x1x4", "2x2x0", "0x2", "2x2x1x1x1", "2xa", "9x2"):
         with pytest.raises(ValueError, match=rf"{bad}.*NR0xNSG\[xU\[xP\]\]"):
             mul_mv.mv_geometry(bad, "cuda")

@@ -200,14 +200,23 @@ MV_GEOMETRIES = {
     # pointer per row (62 registers at P = 2, one wave), P = 2 takes the Q6_K ffn_down from 62.1 to
     # 57.2 us (0.13 ms per token); in the ninth session, at 72 registers, it had saved 2 us.
     # Metal: unmeasured, so ggml's.
-    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q6_K": (2, 4, 1, 2),
-                       "q6_K head": (4, 4, 2, 0)},
-              "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q6_K": (2, 2, 1, 0),
-                        "q6_K head": (2, 2, 1, 0)}},
+    # Twentieth session: the multi kernel (q|k|v|gate, "q4_K multi") has a kind of its own, so that
+    # the lone and multi calls, whose grids run 1.26 and 1.65 waves at 2x2x1x1, were timed apart
+    # from the GLU (MUSE_MLX_MV_GEOMETRY_SINGLE, _MULTI). Geometries that fit one wave lost: the Q4_K
+    # ffn_down took 39.0 us at 2x2x1x1, 42.3 at 3x2x1x0, 43.6 at 2x2x1x0, 48.8 at 4x2x1x0; the multi
+    # kernel 18.0 at 2x2x1x1, 17.8-18.0 at 3x2x1x0 (within the spread), 20.2-21.0 at 2x2x1x0 and
+    # 4x2x1x0; the GLU 62.5 at 2x2x1x1 and at 2x2x1x0 alike, 86.6 at 4x2x1x0. So 2x2x1x1 stays.
+    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q4_K multi": (2, 2, 1, 1),
+                       "q6_K": (2, 4, 1, 2), "q6_K head": (4, 4, 2, 0)},
+              "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q4_K multi": (2, 2, 1, 0),
+                        "q6_K": (2, 2, 1, 0), "q6_K head": (2, 2, 1, 0)}},
 }
 # the variables that override "tuned", per kind, the first one set winning (a head follows the
-# Q6_K setting unless it has its own, so a Q6_K sweep moves it as before)
-_GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",), "q4_K single": ("MUSE_MLX_MV_GEOMETRY",),
+# Q6_K setting unless it has its own, so a Q6_K sweep moves it as before; likewise the lone and
+# multi Q4_K calls follow the GLU's MUSE_MLX_MV_GEOMETRY unless they have their own)
+_GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",),
+                 "q4_K single": ("MUSE_MLX_MV_GEOMETRY_SINGLE", "MUSE_MLX_MV_GEOMETRY"),
+                 "q4_K multi": ("MUSE_MLX_MV_GEOMETRY_MULTI", "MUSE_MLX_MV_GEOMETRY"),
                  "q6_K": ("MUSE_MLX_MV_GEOMETRY_Q6K",),
                  "q6_K head": ("MUSE_MLX_MV_GEOMETRY_HEAD", "MUSE_MLX_MV_GEOMETRY_Q6K")}
 
@@ -310,7 +319,9 @@ def head_min_blocks(which: str, geometry: tuple[int, int, int, int]) -> int:
 # 95-96 registers, 20 warps per SM, so the release's 1,664 and 2,176 threadgroups of two warps
 # run in 1.26 and 1.65 waves, and issue on 45-60 % of the cycles (ncu on the H200, nineteenth
 # session, docs/performance.md). A bound buys a fuller last wave with registers; the bits cannot
-# change (the same instructions, allocated differently). Not yet timed, so none by default.
+# change (the same instructions, allocated differently). Timed in the twentieth session, 24 warps
+# lost: the Q4_K ffn_down 50.7 against 39.5 us, attn_output 12.0 against 9.7, the multi kernel
+# 20.6 against 18.0 (spills and 9-11 % more instructions cost more than the fuller wave). So none.
 Q4K_WARPS = {"cuda": 0}
 MULTI_WARPS = {"cuda": 0}
 
@@ -353,9 +364,10 @@ def _prep_inputs(prep, y: mx.array, which: str) -> tuple[list[mx.array], int]:
 
 def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int, int, int]:
     """``(NR0, NSG, U, P)`` of a named geometry or of ``"NR0xNSG[xU[xP]]"`` (U defaults to 1, P
-    to 0). "tuned" is per backend and kind ("q4_K", "q4_K single", "q6_K", "q6_K head");
-    ``MUSE_MLX_MV_GEOMETRY`` (Q4_K, both kinds), ``MUSE_MLX_MV_GEOMETRY_Q6K`` (Q6_K, the head too)
-    and ``MUSE_MLX_MV_GEOMETRY_HEAD`` (the head alone) override it."""
+    to 0). "tuned" is per backend and kind ("q4_K": the GLU, "q4_K single", "q4_K multi", "q6_K",
+    "q6_K head"); ``MUSE_MLX_MV_GEOMETRY`` (every Q4_K kind), ``MUSE_MLX_MV_GEOMETRY_SINGLE`` and
+    ``_MULTI`` (those kinds alone), ``MUSE_MLX_MV_GEOMETRY_Q6K`` (Q6_K, the head too) and
+    ``MUSE_MLX_MV_GEOMETRY_HEAD`` (the head alone) override it."""
     if "x" in geometry:
         try:
             parts = [int(v) for v in geometry.split("x")]
@@ -478,7 +490,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     if which == "cpu":
         return mx.concatenate([ORACLES[kind](y, w) for w, kind in weights], axis=-1)
     y, T = _tokens(y, K)
-    nr0, nsg, u, p = mv_geometry(geometry, which)
+    nr0, nsg, u, p = mv_geometry(geometry, which, "q4_K multi")
     per_tg = nr0 * nsg
     mats, rows, kinds = _four_slots(weights)
     prepared, pre = _prep_inputs(prep, y, which)
