@@ -353,9 +353,11 @@ def geo(g: tuple) -> str:
 
 
 def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], everything: bool,
-                 q4_single: list[str] | None = None, q8_pre_geoms: list[str] = (), head: list[str] | None = None):
+                 q4_single: list[str] | None = None, q8_pre_geoms: list[str] = (), head: list[str] | None = None,
+                 q4_multi: list[str] | None = None):
     """(label, recorded call) for each release launch, once per geometry (the head's own, ``head``,
-    when given, else the Q6_K ones)."""
+    the lone and multi Q4_K calls' own, ``q4_single`` and ``q4_multi``, when given, else the Q6_K
+    and the GLU's)."""
     out = []
 
     def rec(label, fn, *a, **kw):
@@ -371,15 +373,17 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
         rec(f"attn_out {D}x{QW}", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
     prep = (y_d, mx.zeros((1, D // 8)))  # the activations as a tail prepares them (MUSE_MLX_Q4K_HALVES=1)
+    qkvg = [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")]
+    for g in q4_multi or q4_geoms:  # the q|k|v|gate call ("q4_K multi" when tuned)
+        rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d, qkvg, geometry=g)
+        with env("MUSE_MLX_Q4K_HALVES", "1"):
+            rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW} prepared", K.mul_mv_multi, y_d, qkvg, geometry=g, prep=prep)
     for g in q4_geoms:
-        qkvg = [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")]
         glu = lambda form, **kw: rec(f"ffn_gate+up q4_K {FF}x{D} silu{form}", K.mul_mv_glu, y_d, q4(FF, D),  # noqa: E731
                                      q4(FF, D), "q4_K", "silu", geometry=g, **kw)
-        rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d, qkvg, geometry=g)
         glu("")
         with env("MUSE_MLX_Q4K_HALVES", "1"):  # the halves form, alone and with prepared activations
             rec(f"ffn_down {D}x{FF} halves", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
-            rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW} prepared", K.mul_mv_multi, y_d, qkvg, geometry=g, prep=prep)
             glu(" halves")
             glu(" prepared", prep=prep)
             with env("MUSE_MLX_GLU_WARPS", "16"):  # bounded for 16 warps per SM (128 registers at NSG 2)
@@ -563,11 +567,12 @@ def main(argv=None) -> int:
         [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K"))]
     tuned_geometries = not (a.sweep or a.geometry)
     q4_single = [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K single"))] if tuned_geometries else None
+    q4_multi = [geo(mul_mv.mv_geometry("tuned", "cuda", "q4_K multi"))] if tuned_geometries else None
     q6 = a.geometry_q6k.split(",") if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K"))]
     head = None if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K head"))]
     q8 = a.q8_geometry.split(",") if a.q8_geometry else [geo(mul_mv._q8_geometry("cuda"))]
     q8_pre = a.q8_pre_geometry.split(",") if a.q8_pre_geometry else [geo(mul_mv.q8_pre_geometry("cuda"))]
-    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single, q8_pre, head))
+    calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single, q8_pre, head, q4_multi))
     if not a.matvec_only:
         missing = {k.name for k in K.ALL_KERNELS} - {c["kernel"].name for _, c in calls}
         if missing:
