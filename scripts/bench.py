@@ -56,7 +56,7 @@ from muse_mlx.routes import FLAG_NEEDS, PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
 
-from environment import env  # noqa: E402
+from environment import env, env_settings  # noqa: E402
 
 THIN_GEOMETRY = Geometry(n_layer=52, n_embd=512, n_ff=1024, n_head=32, n_head_kv=2, head_dim=128, n_ctx=8192,
                          sliding_window=4096, rms_eps=1e-5)
@@ -575,12 +575,10 @@ def main(argv=None) -> int:
 
     if args.no_compile and args.compiled_only:
         ap.error("--no-compile and --compiled-only exclude each other")
-    env_name, env_values = None, [None]
-    if args.env_ab:
-        env_name, sep, values = args.env_ab.partition("=")
-        if not sep or not env_name or not values:
-            ap.error(f"--env-ab: {args.env_ab!r} is not NAME=V1,V2,...")
-        env_values = values.split(",") * 2  # alternated, twice: a drift between runs shows as such
+    try:
+        settings = env_settings([args.env_ab] if args.env_ab else [])
+    except ValueError as e:
+        ap.error(str(e))
     g, vocab = (SMALL_GEOMETRY, SMALL_VOCAB) if args.small else (MUSE_GLIMMER_30B, RELEASE_VOCAB)
     if args.tiny:
         g, vocab = TINY_GEOMETRY, 2048
@@ -672,9 +670,9 @@ def main(argv=None) -> int:
                     f"{entry['dispatches']['graph_primitives']} MLX primitives per decoded token")
             else:
                 log(f"  {name}:")
-            for compiled, ctx, env_value in [(c, x, v) for c in compiles for x in contexts for v in env_values]:
+            for compiled, ctx, (env_name, env_value) in [(c, x, v) for c in compiles for x in contexts for v in settings]:
                 n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
-                with env(env_name, env_value) if env_name is not None else contextlib.nullcontext():
+                with env(env_name, env_value):
                     r = decode_rate(model, ctx, n_tok, args.runs, compiled if model.route.fast_decode(model.cfg) else None, rng)
                 r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
                          of_roofline=r["tok_s"] / (bw / wbytes))

@@ -9,16 +9,31 @@ import os
 
 
 @contextlib.contextmanager
-def env(name: str, value: str | None):
-    """``os.environ[name] = value`` inside the block (``None``: leave it as it is)."""
+def env(name: str | None, value: str | None):
+    """``os.environ[name] = value`` inside the block (a ``None`` name or value: leave it as it is)."""
+    if name is None or value is None:
+        yield
+        return
     old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
+    os.environ[name] = value
     try:
         yield
     finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def env_settings(specs: list[str]) -> list[tuple[str | None, str | None]]:
+    """The settings a measurement runs, one ``(NAME, value)`` each, from ``--env-ab`` specs
+    ``NAME=V1,V2,...``: each spec's values in turn, twice over (alternated, so that a drift between
+    runs shows as such), one spec after another. With no spec, one setting that leaves the
+    environment as it is, ``(None, None)``. A malformed spec raises ValueError naming it."""
+    settings = []
+    for spec in specs:
+        name, sep, values = spec.partition("=")
+        if not sep or not name or not values:
+            raise ValueError(f"--env-ab: {spec!r} is not NAME=V1,V2,...")
+        settings += [(name, v) for v in values.split(",") * 2]
+    return settings or [(None, None)]

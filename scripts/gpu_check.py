@@ -25,7 +25,6 @@ as the longest of them, 224 s). Each section then draws its own random inputs, a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -561,6 +560,14 @@ def check_glu_warps(rng, quick):
     compare("decode GLU 16 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
 
 
+def release_q4_matrices(rng, D: int, ff: int, qw: int, kvw: int):
+    """Random blocks of the calls the lone and multi Q4_K kernels make: q|k|v|gate (v Q6_K, as in
+    llama.cpp's mix on half the layers), ffn_down and attn_output."""
+    mats = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
+            (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
+    return mats, random_blocks(D, ff, T.Q4_K, rng), random_blocks(D, qw, T.Q4_K, rng)
+
+
 def check_mv_warps(rng, quick):
     """The lone exact Q4_K matvec and the multi kernel compiled for 24 and 28 resident warps per SM
     (MUSE_MLX_Q4K_WARPS, MUSE_MLX_MULTI_WARPS: launch bounds, 80 and 72 registers with spills)
@@ -570,9 +577,7 @@ def check_mv_warps(rng, quick):
     qw, kvw = (4096, 256) if not quick else (256, 64)
     nsg = {kind: mul_mv.mv_geometry("tuned", WHICH, kind)[1] for kind in ("q4_K single", "q4_K multi")}
     x, h = edge_activations(rng, D), edge_activations(rng, ff)
-    mats = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
-            (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
-    down, attn_out = random_blocks(D, ff, T.Q4_K, rng), random_blocks(D, qw, T.Q4_K, rng)
+    mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
     a = edge_activations(rng, qw)
     for warps in (24, 28):
         key = ("cuda", bounds_of((32, nsg["q4_K single"], 1), warps // nsg["q4_K single"]))
@@ -612,9 +617,7 @@ def check_kind_geometries(rng, quick):
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
     prep = mul_mv.q4_K_prepared(x)
-    mats = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
-            (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
-    down, attn_out = random_blocks(D, ff, T.Q4_K, rng), random_blocks(D, qw, T.Q4_K, rng)
+    mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     calls = {"MUSE_MLX_MV_GEOMETRY_SINGLE": [
                  (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda which: K.mul_mv_q4_K(h, down, which=which)),
@@ -627,18 +630,11 @@ def check_kind_geometries(rng, quick):
                  (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
                  (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared",
                   lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep))]}
-    # the GLU's variable would move the lone and multi calls too: they are held at their tuned ones
-    held = {"MUSE_MLX_MV_GEOMETRY_SINGLE": "x".join(map(str, mul_mv.mv_geometry("tuned", WHICH, "q4_K single"))),
-            "MUSE_MLX_MV_GEOMETRY_MULTI": "x".join(map(str, mul_mv.mv_geometry("tuned", WHICH, "q4_K multi")))}
     for var, geometries in KIND_GEOMETRIES.items():
-        for name, call in calls[var]:
+        for name, call in calls[var]:  # each call launches one kernel, of the kind ``var`` sets
             want = gpu(call)
             for geometry in geometries:
-                with contextlib.ExitStack() as stack:
-                    stack.enter_context(env(var, geometry))
-                    if var == "MUSE_MLX_MV_GEOMETRY":
-                        for other, g in held.items():
-                            stack.enter_context(env(other, g))
+                with env(var, geometry):
                     got = gpu(call)
                 compare(f"{name} {geometry} == tuned", "edge y", got, want, note=f"{var}, all rows")
     model, tokens = tiny_model(rng, 24)

@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
     import mlx.core as mx
-    from environment import env
+    from environment import env, env_settings
     from muse_mlx import load_model
     from muse_mlx.synthetic import RELEASE_VOCAB, ensure_synthetic
     from muse_mlx.writer import MUSE_GLIMMER_30B
@@ -446,16 +446,11 @@ def main(argv=None) -> int:
         if g is not None and len(g) != 2:
             print(f"--geometries: {'/'.join(g)!r} is not Q4K/Q6K", file=sys.stderr)
             return 2
-    env_settings = [(None, None)]  # (NAME, value) per traced setting; (None, None): the environment as it is
-    if args.env_ab:
-        env_settings = []
-        for sweep in args.env_ab:
-            env_name, sep, values = sweep.partition("=")
-            if not sep or not env_name or not values:
-                print(f"--env-ab: {sweep!r} is not NAME=V1,V2,...", file=sys.stderr)
-                return 2
-            # alternated, twice: a drift between runs shows as such
-            env_settings += [(env_name, v) for v in values.split(",") * 2]
+    try:
+        settings = env_settings(args.env_ab)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     model = load_model(path, args.route, progress=False)
     if args.prefill:
         schedules = [(True, None)] + ([(False, None)] if args.prefill_wait_ab else [])
@@ -479,12 +474,12 @@ def main(argv=None) -> int:
                 out["cases"].append(case)
                 mx.clear_cache()
     cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
-             for ctx in (int(c) for c in args.ctx.split(",") if c) for v in env_settings]
+             for ctx in (int(c) for c in args.ctx.split(",") if c) for v in settings]
     for flags, g, ctx, (env_name, env_value) in cases:
         model.set_flags(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
-        with env(env_name, env_value) if env_name is not None else contextlib.nullcontext():
+        with env(env_name, env_value):
             tl, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti,
                                     args.host)
         general = not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), model.make_cache())
