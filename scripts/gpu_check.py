@@ -461,71 +461,88 @@ def check_q6k_split(rng, quick):
     compare("decode, Q6_K split form == raw blocks", "tiny muse-glimmer, 32 tokens, compiled", outs[1], outs[0])
 
 
-def edge_activations(rng, k):
+def edge_activations(rng, k, form: int | None = None):
     """Two tokens of ordinary activations, both with signed zeros, subnormals and tiny normals, the
-    second also with values up to 2^95 (the halves form of the Q4_K lanes scales them by up to
-    2^32, exact below |y| = 2^96). The huge ones get a token of their own: they swamp every other
-    product of a row, so a wrong order among ordinary values shows only in the first token."""
+    second also with values up to half the range of the Q4_K lanes' nibble form ``form``
+    (mul_mv.HALVES_RANGE: 2^95 for forms 0 and 1, which scale by up to 2^32 and are exact below
+    |y| = 2^96; 2^71 for form 2). The huge ones get a token of their own: they swamp every other
+    product of a row, so a wrong order among ordinary values shows only in the first token.
+    ``form`` None: the form the engine runs here."""
+    form = mul_mv.q4K_halves(WHICH) if form is None else form
     v = rng.standard_normal((2, k)).astype(np.float32)
     small = np.array([0.0, -0.0, 1e-45, -3e-42, 1.2e-38, -1e-30], np.float32)
     for row in v:
         row[rng.choice(k, 4 * small.size, replace=False)] = np.tile(small, 4)
-    huge = np.array([2.0 ** 95, -(2.0 ** 94), 3e25], np.float32)
+    top = mul_mv.HALVES_RANGE.get(form, 2.0 ** 96) / 2
+    huge = np.array([top, -top / 2, top / 1e4], np.float32)
     v[1, rng.choice(k, 4 * huge.size, replace=False)] = np.tile(huge, 4)
     return mx.array(v)
 
 
+def prepared(y):
+    """``y`` prepared for the Q4_K lanes of the nibble form the engine runs here."""
+    return mul_mv.q4_K_prepared(y, mul_mv.q4K_halves(WHICH))
+
+
 def check_q4_forms(rng, quick):
-    """The exact Q4_K lanes' two nibble forms (MUSE_MLX_Q4K_HALVES: 1, two nibbles as subnormal
-    halves against scaled activations, CUDA's default; 0, the 2^23 float pattern) and
-    the activations a tail prepares for them (tail_dual_eps_q4, then prep=): the oracle's bits on
-    every Q4_K shape of the release geometry, then a tiny model's decoded logits, form against form."""
+    """The exact Q4_K lanes' three nibble forms (MUSE_MLX_Q4K_HALVES: 2, nibbles, scales and mins as
+    subnormal halves against activations scaled by 2^48/2^56; 1, the nibbles only, against 2^24/2^32,
+    CUDA's default; 0, the 2^23 float pattern) and the activations a tail prepares for forms 1 and 2
+    (tail_dual_eps_q4, then prep=): the oracle's bits on every Q4_K shape of the release geometry,
+    with edge activations inside each form's range, then a tiny model's decoded logits, form
+    against form."""
     D, ff = (6656, 19968) if not quick else (512, 768)
     qw, kvw = (4096, 256) if not quick else (256, 64)
-    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
     oracle = mul_mv.mul_mv_q4_K_oracle
-    for w, y, name in ((random_blocks(ff, D, T.Q4_K, rng), x, "ffn_gate"), (random_blocks(D, ff, T.Q4_K, rng), h,
-                       "ffn_down"), (random_blocks(D, qw, T.Q4_K, rng), a, "attn_output")):
-        sel = some_rows(w.shape[0])
-        want = oracle(y, w[sel])
-        for halves in ("1", "0"):
-            with env("MUSE_MLX_Q4K_HALVES", halves):
-                got = gpu(K.mul_mv_q4_K, y, w)
-            compare(f"mul_mv_q4_K_f32 HALVES={halves}", f"{name} {w.shape[0]}x{y.shape[-1]} edge y", got[..., sel],
-                    want, note=f"{sel.size} rows")
-    # the tail writes the prepared form: its own two outputs and q4_K_prepared's of its output
-    hid, s, w1, w2 = randn(rng, 1, D), randn(rng, 1, D, scale=3.0), randn(rng, D), randn(rng, D)
-    got_h, got_o, (ys, sy) = gpu(K.tail_dual_eps_q4, hid, s, w1, w2, 1e-8, 1e-5, geometry="seeds")
-    want_h, want_o = norm_tail.tail_dual_eps_oracle(hid, s, w1, w2, 1e-8, 1e-5, K.norm_threads(D, "seeds"))
-    compare("tail_dual_eps_q4 hidden, output", f"{D}", mx.concatenate([got_h, got_o]), mx.concatenate([want_h, want_o]))
-    want_ys, want_sy = mul_mv.q4_K_prepared(want_o)
-    compare("tail_dual_eps_q4 scaled activations", f"{D}", ys, want_ys)
-    compare("tail_dual_eps_q4 run sums", f"{D // 8}", sy, want_sy)
-    # the projections and the GLU reading it (edge activations, prepared on the CPU)
-    prep = mul_mv.q4_K_prepared(x)
+    lone = ((random_blocks(ff, D, T.Q4_K, rng), D, "ffn_gate"), (random_blocks(D, ff, T.Q4_K, rng), ff, "ffn_down"),
+            (random_blocks(D, qw, T.Q4_K, rng), qw, "attn_output"))
     ws = [(random_blocks(qw, D, T.Q4_K, rng), "q4_K"), (random_blocks(kvw, D, T.Q4_K, rng), "q4_K"),
           (random_blocks(kvw, D, T.Q6_K, rng), "q6_K"), (random_blocks(qw, D, T.Q4_K, rng), "q4_K")]
-    want = mx.concatenate([mul_mv.ORACLES[k](x, w) for w, k in ws], -1)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
-    sel = some_rows(ff)
-    want_glu = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
-    with env("MUSE_MLX_Q4K_HALVES", "1"):  # prepared activations need the halves form
-        compare("mul_mv_multi_f32 prepared", f"q,k,v(Q6_K),gate x {D} edge y", gpu(K.mul_mv_multi, x, ws, prep=prep),
-                want)
-        compare("mul_mv_glu_f32 prepared", f"{ff}x{D} q4_K silu edge y", gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu",
-                prep=prep)[..., sel], want_glu, note="device exp")
-    for halves in ("1", "0"):
+    hid, s, w1, w2 = randn(rng, 1, D), randn(rng, 1, D, scale=3.0), randn(rng, D), randn(rng, D)
+    want_h, want_o = norm_tail.tail_dual_eps_oracle(hid, s, w1, w2, 1e-8, 1e-5, K.norm_threads(D, "seeds"))
+    for halves in ("2", "1", "0"):
+        form = int(halves)
+        for w, k, name in lone:
+            y = edge_activations(rng, k, form)
+            sel = some_rows(w.shape[0])
+            with env("MUSE_MLX_Q4K_HALVES", halves):
+                got = gpu(K.mul_mv_q4_K, y, w)
+            compare(f"mul_mv_q4_K_f32 HALVES={halves}", f"{name} {w.shape[0]}x{k} edge y", got[..., sel],
+                    oracle(y, w[sel]), note=f"{sel.size} rows")
+        x = edge_activations(rng, D, form)
+        want = mx.concatenate([mul_mv.ORACLES[k](x, w) for w, k in ws], -1)
+        sel = some_rows(ff)
+        want_glu = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
         with env("MUSE_MLX_Q4K_HALVES", halves):
             multi, glu = gpu(K.mul_mv_multi, x, ws), gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu")
         compare(f"mul_mv_multi_f32 HALVES={halves}", f"q,k,v(Q6_K),gate x {D} edge y", multi, want)
         compare(f"mul_mv_glu_f32 HALVES={halves}", f"{ff}x{D} q4_K silu edge y", glu[..., sel], want_glu,
                 note="device exp")
+        if not form:  # prepared activations are for the halves forms
+            continue
+        # the tail writes the prepared form: its own two outputs and q4_K_prepared's of its output
+        with env("MUSE_MLX_Q4K_HALVES", halves):
+            got_h, got_o, made = gpu(K.tail_dual_eps_q4, hid, s, w1, w2, 1e-8, 1e-5, geometry="seeds")
+        compare(f"tail_dual_eps_q4 HALVES={halves} hidden, output", f"{D}", mx.concatenate([got_h, got_o]),
+                mx.concatenate([want_h, want_o]))
+        want_made = mul_mv.q4_K_prepared(want_o, form)
+        compare(f"tail_dual_eps_q4 HALVES={halves} scaled activations", f"{D}", made.ys, want_made.ys)
+        compare(f"tail_dual_eps_q4 HALVES={halves} run sums", f"{D // 8}", made.sy, want_made.sy)
+        # the projections and the GLU reading it (edge activations, prepared on the CPU)
+        prep = mul_mv.q4_K_prepared(x, form)
+        with env("MUSE_MLX_Q4K_HALVES", halves):
+            multi = gpu(K.mul_mv_multi, x, ws, prep=prep)
+            glu = gpu(K.mul_mv_glu, x, wg, wu, "q4_K", "silu", prep=prep)
+        compare(f"mul_mv_multi_f32 HALVES={halves} prepared", f"q,k,v(Q6_K),gate x {D} edge y", multi, want)
+        compare(f"mul_mv_glu_f32 HALVES={halves} prepared", f"{ff}x{D} q4_K silu edge y", glu[..., sel], want_glu,
+                note="device exp")
     # end to end: a tiny model's decode, each combination of the switches against the default
     model, tokens = tiny_model(rng, 24)
     base = tiny_decode(model, tokens)
-    form = lambda halves, prep: (halves, prep if halves == "1" else None)  # noqa: E731  (PREP needs HALVES)
-    default = form(str(mul_mv.q4K_halves(WHICH)), os.environ.get("MUSE_MLX_Q4K_PREP", "1"))
-    for halves, prep in [c for c in (("1", "1"), ("1", "0"), ("0", "1")) if form(*c) != default]:
+    combo = lambda halves, prep: (halves, prep if halves != "0" else None)  # noqa: E731  (PREP needs a halves form)
+    default = combo(str(mul_mv.q4K_halves(WHICH)), os.environ.get("MUSE_MLX_Q4K_PREP", "1"))
+    for halves, prep in [c for c in (("2", "1"), ("2", "0"), ("1", "1"), ("1", "0"), ("0", "1")) if combo(*c) != default]:
         model.route.dispatches.clear()
         with env("MUSE_MLX_Q4K_HALVES", halves), env("MUSE_MLX_Q4K_PREP", prep):
             got = tiny_decode(model, tokens)
@@ -539,16 +556,16 @@ def check_glu_warps(rng, quick):
     128 registers) against the oracle, in each nibble form and prepared, then a tiny model's decoded
     logits with the bound against without: register allocation must not move a bit."""
     D, ff = (6656, 19968) if not quick else (512, 768)
-    x = edge_activations(rng, D)
+    x = edge_activations(rng, D, 2)  # inside every form's range
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     sel = some_rows(ff)
     oracle = mul_mv.mul_mv_q4_K_oracle
     want = ffn.silu_oracle(oracle(x, wg[sel]), oracle(x, wu[sel]), exp=probe("exp"))
-    prep = mul_mv.q4_K_prepared(x)
     nsg = mul_mv.mv_geometry("tuned", WHICH, "q4_K")[1]
     bounded = ("cuda", bounds_of((32, nsg, 1), 16 // nsg))  # the key Kernel.build files it under
     with env("MUSE_MLX_GLU_WARPS", "16"):
-        for halves, pr in (("1", prep), ("1", None), ("0", None)):
+        for halves, pr in (("2", mul_mv.q4_K_prepared(x, 2)), ("2", None), ("1", mul_mv.q4_K_prepared(x, 1)),
+                           ("1", None), ("0", None)):
             with env("MUSE_MLX_Q4K_HALVES", halves):
                 got = gpu_as(mul_mv._GLU, bounded, K.mul_mv_glu, x, wg, wu, "q4_K", "silu", prep=pr)
             compare(f"mul_mv_glu_f32 16 warps HALVES={halves}{' prepared' if pr else ''}", f"{ff}x{D} q4_K silu edge y",
@@ -588,7 +605,7 @@ def check_mv_warps(rng, quick):
             compare(f"mul_mv_q4_K_f32 {warps} warps == unbounded", f"{name} {w.shape[0]}x{y.shape[-1]} edge y", got, want,
                     note="all rows")
         key = ("cuda", bounds_of((32, nsg["q4_K multi"], 1), warps // nsg["q4_K multi"]))
-        for prep in (None, mul_mv.q4_K_prepared(x)):
+        for prep in (None, prepared(x)):
             want = gpu_as(mul_mv._MULTI, ("cuda", None), K.mul_mv_multi, x, mats, prep=prep)
             with env("MUSE_MLX_MULTI_WARPS", str(warps)):
                 got = gpu_as(mul_mv._MULTI, key, K.mul_mv_multi, x, mats, prep=prep)
@@ -616,7 +633,7 @@ def check_kind_geometries(rng, quick):
     D, ff = (6656, 19968) if not quick else (512, 768)
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
-    prep = mul_mv.q4_K_prepared(x)
+    prep = prepared(x)
     mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     calls = {"MUSE_MLX_MV_GEOMETRY_SINGLE": [

@@ -372,17 +372,19 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec(f"ffn_gate/up {FF}x{D}", K.mul_mv_q4_K, y_d, q4(FF, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
         rec(f"attn_out {D}x{QW}", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
-    prep = (y_d, mx.zeros((1, D // 8)))  # the activations as a tail prepares them (MUSE_MLX_Q4K_HALVES=1)
+    # the halves lines' form: 1, unless MUSE_MLX_Q4K_HALVES=2 asks for the scales as halves too
+    halves = "2" if os.environ.get("MUSE_MLX_Q4K_HALVES") == "2" else "1"
+    prep = mul_mv.Q4KPrepared(y_d, mx.zeros((1, D // 8)), int(halves))  # as a tail prepares them
     qkvg = [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")]
     for g in q4_multi or q4_geoms:  # the q|k|v|gate call ("q4_K multi" when tuned)
         rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d, qkvg, geometry=g)
-        with env("MUSE_MLX_Q4K_HALVES", "1"):
+        with env("MUSE_MLX_Q4K_HALVES", halves):
             rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW} prepared", K.mul_mv_multi, y_d, qkvg, geometry=g, prep=prep)
     for g in q4_geoms:
         glu = lambda form, **kw: rec(f"ffn_gate+up q4_K {FF}x{D} silu{form}", K.mul_mv_glu, y_d, q4(FF, D),  # noqa: E731
                                      q4(FF, D), "q4_K", "silu", geometry=g, **kw)
         glu("")
-        with env("MUSE_MLX_Q4K_HALVES", "1"):  # the halves form, alone and with prepared activations
+        with env("MUSE_MLX_Q4K_HALVES", halves):  # a halves form, alone and with prepared activations
             rec(f"ffn_down {D}x{FF} halves", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
             glu(" halves")
             glu(" prepared", prep=prep)
@@ -426,7 +428,8 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec("rms_norm_f16", K.rms_norm_f16, x, w)
         rec("tail_dual_eps", K.tail_dual_eps, x, x, w, w, 1e-6, 1e-6)
         rec("tail_dual_eps_q8 (mv_q8)", K.tail_dual_eps_q8, x, x, w, w, 1e-6, 1e-6)
-        rec("tail_dual_eps_q4 (prepared activations)", K.tail_dual_eps_q4, x, x, w, w, 1e-6, 1e-6)
+        with env("MUSE_MLX_Q4K_HALVES", halves):  # the form the prepared lines above read
+            rec("tail_dual_eps_q4 (prepared activations)", K.tail_dual_eps_q4, x, x, w, w, 1e-6, 1e-6)
         rec("tail_32sg", K.tail_32sg, x, x, w, w, 1e-6, 1e-6)
         rec("silu_mul", K.silu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))
         rec("gelu_mul", K.gelu_mul, mx.zeros((1, FF)), mx.zeros((1, FF)))

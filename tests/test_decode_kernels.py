@@ -538,26 +538,34 @@ def test_q8_pre_kernel_at_32_lanes_is_the_per_threadgroup_kernel(monkeypatch):
 # -- the Q4_K lanes' nibble forms and their prepared activations -------------------------------
 
 
-def edge_activations(t, k):
+def edge_activations(t, k, form=1):
     """Activations a lane must take exactly, ``t`` >= 2 tokens of ordinary values: every token
-    holds signed zeros, subnormals and tiny normals; the last also holds huge ones (up to 2^95,
-    just inside the halves form's range). They get a token of their own because they swamp every
-    other product of a row: a wrong order among ordinary values shows only in the other tokens."""
+    holds signed zeros, subnormals and tiny normals; the last also holds huge ones (up to half the
+    range of nibble form ``form``: 2^95 for forms 0 and 1, 2^71 for form 2). They get a token of
+    their own because they swamp every other product of a row: a wrong order among ordinary values
+    shows only in the other tokens."""
     v = np.array(arr(t, k))
     small = np.array([0.0, -0.0, 1e-45, -3e-42, 1.2e-38, -1e-30], F32)
     for row in v:
         row[RNG.choice(k, size=4 * small.size, replace=False)] = np.tile(small, 4)
-    huge = np.array([2.0 ** 95, -(2.0 ** 94), 3e25], F32)
+    top = mul_mv.HALVES_RANGE.get(form, 2.0 ** 96) / 2
+    huge = np.array([top, -top / 2, top / 1e4], F32)
     v[-1, RNG.choice(k, size=4 * huge.size, replace=False)] = np.tile(huge, 4)
     return mx.array(v)
 
 
-def test_prepared_activations_are_scaled_values_and_run_sums():
-    """q4_K_prepared against numpy: even values times 2^24, odd times 2^32; each run of 8 summed
-    from 0.0 one float32 add at a time, at the slot its lane (iq, ir) reads as sumy[k]."""
-    y = np.array(edge_activations(2, 512))
-    ys, sy = (np.array(a) for a in mul_mv.q4_K_prepared(mx.array(y)))
-    want_ys = y * np.tile(np.array([2.0 ** 24, 2.0 ** 32], F32), 256)
+@pytest.mark.parametrize("form", [1, 2])
+def test_prepared_activations_are_scaled_values_and_run_sums(form):
+    """q4_K_prepared against numpy: even values times 2^24, odd times 2^32 (form 2: 2^48, 2^56);
+    each run of 8 summed from 0.0 one float32 add at a time (form 2: then times 2^24), at the
+    slot its lane (iq, ir) reads as sumy[k]."""
+    y = np.array(edge_activations(2, 512, form))
+    prep = mul_mv.q4_K_prepared(mx.array(y), form)
+    assert prep.form == form
+    ys, sy = np.array(prep.ys), np.array(prep.sy)
+    even, odd, sums = {1: (2.0 ** 24, 2.0 ** 32, 1.0), 2: (2.0 ** 48, 2.0 ** 56, 2.0 ** 24)}[form]
+    want_ys = y * np.tile(np.array([even, odd], F32), 256)
+    assert np.isfinite(want_ys).all()  # the edge values are inside the form's range
     assert_bits_equal(ys, want_ys.astype(F32))
     for t in range(2):
         for block in range(2):
@@ -568,21 +576,25 @@ def test_prepared_activations_are_scaled_values_and_run_sums():
                         run = F32(0.0)
                         for v in y[t, start:start + 8]:
                             run = F32(run + v)
+                        run = F32(run * F32(sums))
                         got = sy[t, 32 * block + 4 * (4 * iq + ir) + k]
                         assert got.view(np.uint32) == run.view(np.uint32), (t, block, iq, ir, k)
     with pytest.raises(ValueError, match="blocks of 256"):
-        mul_mv.q4_K_prepared(mx.zeros((1, 320)))
+        mul_mv.q4_K_prepared(mx.zeros((1, 320)), form)
+    with pytest.raises(ValueError, match="nibble forms 1 and 2, not 0"):
+        mul_mv.q4_K_prepared(mx.zeros((1, 256)), 0)
 
 
 @emulator
-@pytest.mark.parametrize("halves", ["0", "1"])
+@pytest.mark.parametrize("halves", ["0", "1", "2"])
 @pytest.mark.parametrize("geometry", ["ggml", "2x2x1x1", "1x4x3x1"])
-def test_both_nibble_forms_give_ggml_bits(halves, geometry, monkeypatch):
-    """q4K_block's two forms (the 2^23 pattern, the default; two nibbles as subnormal halves
-    against activations scaled by 2^24/2^32) on activations with zeros, subnormals and values up
-    to 2^95: the oracle's bits, single, multi and GLU."""
+def test_every_nibble_form_gives_ggml_bits(halves, geometry, monkeypatch):
+    """q4K_block's three forms (the 2^23 pattern, the CPU's; two nibbles as subnormal halves
+    against activations scaled by 2^24/2^32; and those with the scales and mins as subnormal halves
+    too, against 2^48/2^56) on activations with zeros, subnormals and values up to half the form's
+    range: the oracle's bits, single, multi and GLU."""
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", halves)
-    y, w = edge_activations(2, 1280), qrows(19, 1280, "q4_K")
+    y, w = edge_activations(2, 1280, int(halves)), qrows(19, 1280, "q4_K")
     assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w, geometry=geometry), mul_mv.mul_mv_q4_K_oracle(y, w))
     ws = [(w, "q4_K"), (qrows(5, 1280, "q6_K"), "q6_K")]
     want = mx.concatenate([mul_mv.ORACLES[k](y, m) for m, k in ws], axis=-1)
@@ -593,29 +605,37 @@ def test_both_nibble_forms_give_ggml_bits(halves, geometry, monkeypatch):
 
 
 @emulator
-def test_halves_form_overflows_past_its_range(monkeypatch):
-    """The halves form's documented limit: past |y| = 2^96 an odd value times 2^32 is inf, so a
-    row that ggml computes finite comes out non-finite (the 2^23 form has no such limit)."""
+@pytest.mark.parametrize("form", [1, 2])
+def test_halves_forms_overflow_past_their_range(form, monkeypatch):
+    """The halves forms' documented limits: past |y| = 2^96 (form 1; 2^72, form 2) an odd value
+    times 2^32 (2^56) is inf, so a row that ggml computes finite comes out non-finite (the 2^23
+    form has no such limit); just inside it, the oracle's bits."""
+    limit = mul_mv.HALVES_RANGE[form]
+    w = qrows(4, 256, "q4_K")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", str(form))
     y = np.array(arr(1, 256))
-    y[0, 1] = 2.0 ** 97
-    y, w = mx.array(y), qrows(4, 256, "q4_K")
+    y[0, 1] = limit * (1 - 2.0 ** -24)  # the largest float below the limit
+    assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, mx.array(y), w), mul_mv.mul_mv_q4_K_oracle(mx.array(y), w))
+    y[0, 1] = limit * 2
+    y = mx.array(y)
     want = np.array(mul_mv.mul_mv_q4_K_oracle(y, w))
     assert np.isfinite(want).all()
-    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
     assert not np.isfinite(np.array(emulate_recorded(K.mul_mv_q4_K, y, w))).all()
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "0")
     assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w), want)
 
 
 @emulator
+@pytest.mark.parametrize("form", [1, 2])
 @pytest.mark.parametrize("geometry", ["2x2x1x1", "4x2x2", "1x2x2x3"])
-def test_prepared_activations_give_ggml_bits(geometry, monkeypatch):
+def test_prepared_activations_give_ggml_bits(form, geometry, monkeypatch):
     """prep= (the activations scaled and their run sums given, not computed by the lanes): the
-    multi kernel's Q4_K rows (its Q6_K rows read y) and the GLU, at rows of 3 and 5 blocks."""
-    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
+    multi kernel's Q4_K rows (its Q6_K rows read y) and the GLU, at rows of 3 and 5 blocks, for
+    both halves forms."""
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", str(form))
     for k in (768, 1280):
-        y = edge_activations(2, k)
-        prep = mul_mv.q4_K_prepared(y)
+        y = edge_activations(2, k, form)
+        prep = mul_mv.q4_K_prepared(y, form)
         ws = [(qrows(13, k, "q4_K"), "q4_K"), (qrows(4, k, "q6_K"), "q6_K"), (qrows(6, k, "q4_K"), "q4_K")]
         want = mx.concatenate([mul_mv.ORACLES[kd](y, m) for m, kd in ws], axis=-1)
         assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry, prep=prep), want)
@@ -628,13 +648,17 @@ def test_prepared_activations_give_ggml_bits(geometry, monkeypatch):
 def test_prepared_activations_are_checked(monkeypatch):
     y, w = arr(1, 256), qrows(4, 256, "q6_K")
     with pytest.raises(ValueError, match="for Q4_K matrices"):
-        K.mul_mv_glu(y, w, w, "q6_K", prep=mul_mv.q4_K_prepared(y), which="record")
+        K.mul_mv_glu(y, w, w, "q6_K", prep=mul_mv.q4_K_prepared(y, 1), which="record")
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "0")
     q = qrows(4, 256, "q4_K")
     with pytest.raises(ValueError, match="halves form"):
-        K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(y), which="record")
+        K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(y, 1), which="record")
     assert not mul_mv.q4K_prep("cuda")
-    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "2")
+    for lanes, made in (("2", 1), ("1", 2)):  # every product would be off by 2^24
+        monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", lanes)
+        with pytest.raises(ValueError, match=f"prepared for nibble form {made} given to lanes of form {lanes}"):
+            K.mul_mv_glu(y, q, q, "q4_K", prep=mul_mv.q4_K_prepared(y, made), which="record")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "3")
     with pytest.raises(ValueError, match="MUSE_MLX_Q4K_HALVES"):
         mul_mv.q4K_halves("cuda")
     monkeypatch.delenv("MUSE_MLX_Q4K_HALVES")
@@ -650,7 +674,7 @@ def test_prepared_activations_are_checked(monkeypatch):
         mul_mv.q4K_prep("cuda")
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
     with pytest.raises(ValueError, match=r"do not belong to activations \(1, 256\)"):  # another token's
-        K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(arr(2, 256)), which="record")
+        K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(arr(2, 256), 1), which="record")
     Kernel.recorded.clear()
 
 
@@ -776,17 +800,20 @@ def test_a_bounded_kernel_is_built_apart(monkeypatch):
 
 
 @emulator
+@pytest.mark.parametrize("form", ["1", "2"])
 @pytest.mark.parametrize("n,geometry", [(6656, "seeds"), (1280, "llama"), (1280, "seeds")])
-def test_tail_with_q4_output(n, geometry):
+def test_tail_with_q4_output(n, geometry, form, monkeypatch):
     """The tail before the exact Q4_K matvecs: its two outputs bit for bit, and its output
-    prepared as q4_K_prepared prepares it (a run of zeros among them). 6,656 at 1,024 threads
-    takes two float4s per thread and leaves part of the second pass idle; 1,280 takes one, at
-    320 (llama) or 512 (seeds) threads, of which 192 idle."""
-    (ys, sy), _, want_out = emulated_tail_with_form(K.tail_dual_eps_q4, n, geometry, zeros=8)
-    want_ys, want_sy = mul_mv.q4_K_prepared(want_out)
-    assert_bits_equal(ys, want_ys)
-    assert_bits_equal(sy, want_sy)
-    assert float(sy[0, 0]) == 0.0 and float(sy[0, 1]) != 0.0
+    prepared as q4_K_prepared prepares it for the lanes' nibble form (a run of zeros among them).
+    6,656 at 1,024 threads takes two float4s per thread and leaves part of the second pass idle;
+    1,280 takes one, at 320 (llama) or 512 (seeds) threads, of which 192 idle."""
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", form)
+    prep, _, want_out = emulated_tail_with_form(K.tail_dual_eps_q4, n, geometry, zeros=8)
+    want = mul_mv.q4_K_prepared(want_out, int(form))
+    assert prep.form == int(form)
+    assert_bits_equal(prep.ys, want.ys)
+    assert_bits_equal(prep.sy, want.sy)
+    assert float(prep.sy[0, 0]) == 0.0 and float(prep.sy[0, 1]) != 0.0
     with pytest.raises(ValueError, match="blocks of 256"):
         K.tail_dual_eps_q4(arr(1, 320), arr(1, 320), arr(320), arr(320), 1e-8, 1e-5, which="record")
 

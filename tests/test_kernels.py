@@ -284,10 +284,13 @@ def record_all_kernels():
     K.ffn_q4k_gate_up_4r2s(x, q4, q4, "gelu_tanh", which="record")
     K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K"), (q4, "q4_K")], which="record", geometry="4x2")
     K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
-    prep = mul_mv.q4_K_prepared(x)  # the prepared activations' form of both (halves form only)
-    with mock.patch.dict(os.environ, {"MUSE_MLX_Q4K_HALVES": "1"}):
-        K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record", prep=prep)
-        K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K")], which="record", prep=prep)
+    for form in ("1", "2"):  # the prepared activations' form of both (halves forms only)
+        prep = mul_mv.q4_K_prepared(x, int(form))
+        with mock.patch.dict(os.environ, {"MUSE_MLX_Q4K_HALVES": form}):
+            K.tail_dual_eps_q4(x, x, w, w, 1e-8, 1e-5, which="record")
+            K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record", prep=prep)
+            K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K")], which="record", prep=prep)
+            K.mul_mv_q4_K(x, q4, which="record")
     with mock.patch.dict(os.environ, {"MUSE_MLX_GLU_WARPS": "16"}):  # launch bounds in the unit's header
         K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
     K.mul_mv_glu(x, q6, q6, "q6_K", "gelu_tanh", which="record")

@@ -333,8 +333,10 @@ def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monk
     def spy(fn):
         def call(y, *a, prep=None, **kw):
             if prep is not None:  # exactly the form of this call's input, not another's
-                for got, want in zip(prep, mul_mv.q4_K_prepared(y)):
-                    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+                assert prep.form == (mul_mv.q4K_halves("cpu") or 1)  # the CPU has no halves form: 1's
+                want = mul_mv.q4_K_prepared(y, prep.form)
+                for got, exp in ((prep.ys, want.ys), (prep.sy, want.sy)):
+                    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(exp).view(np.uint32))
             taken.append(prep is not None)
             return fn(y, *a, **kw)
         return call

@@ -62,20 +62,11 @@ MUSE_FN int dot4_i8(uint a, int b, int c) {
 #endif
 }
 
-// One Q4_K block's contribution for lane (iq, ir), from its 16-byte header (d, dmin, 12 scale
-// bytes) and its two 8-byte quant runs, in ggml's order: nibbles stay in place (x1, x256, x16,
-// x4096) in four even/odd accumulators each, then d*(...) - dmin*(...). HALVES = 0: each nibble
-// as float(w & mask) through the 2^23 pattern, against the activations as they are. HALVES = 1:
-// the same nibble of a word's two ushorts at once as two subnormal halves (half_field): masks
-// 0x000F and 0x00F0 in place give ggml's float(q & mask) times 2^-24; 0x0F00 and 0xF000, shifted
-// down by 8 first, give it times 2^-32. So yl/yh must come scaled by 2^24 (even values, which meet
-// the first two) and 2^32 (odd values): each product is then exactly ggml's.
-template <int HALVES>
-MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const float* yl,
-                        thread const float* yh, float4 sumy, uint magic) {
-    const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
-    const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
-    // ggml reads the scale strip as ushorts sc[0], sc[2], sc[4] at bytes 4, 8, 12 (+ 2*iq)
+// The lane's eight scales and mins of a Q4_K block as floats, in the order q4K_block uses them:
+// the scales of sub-blocks 2iq, 2iq+1, 2iq+4, 2iq+5, then their mins (ggml's get_scale_min_k4).
+// HALVES < 2: the values themselves (the 2^23 pattern); ggml reads the strip as ushorts sc[0],
+// sc[2], sc[4] at bytes 4, 8, 12 (+ 2*iq).
+MUSE_FN void q4K_strip_floats(uint4 hd, uint iq, uint magic, thread float* v) {
     const uint sh = 16u * iq;
     const uint s0 = (hd.y >> sh) & 0xFFFFu;
     const uint s2 = (hd.z >> sh) & 0xFFFFu;
@@ -84,6 +75,53 @@ MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const floa
     const uint c1 = s2 & 0x3f3fu;                                    // their mins
     const uint c2 = (s4 & 0x0f0fu) | ((s0 & 0xc0c0u) >> 2);          // scales of 2iq+4, 2iq+5
     const uint c3 = ((s4 >> 4) & 0x0f0fu) | ((s2 & 0xc0c0u) >> 2);   // their mins
+    v[0] = u2f_m(c0 & 0xFFu, magic); v[1] = u2f_m(c0 >> 8, magic);
+    v[2] = u2f_m(c2 & 0xFFu, magic); v[3] = u2f_m(c2 >> 8, magic);
+    v[4] = u2f_m(c1 & 0xFFu, magic); v[5] = u2f_m(c1 >> 8, magic);
+    v[6] = u2f_m(c3 & 0xFFu, magic); v[7] = u2f_m(c3 >> 8, magic);
+}
+
+// HALVES = 2: the same eight values times 2^-24, as subnormal halves. `sel` (0x4140 + 0x0202*iq)
+// permutes the strip word's bytes 2iq, 2iq+1 into the low bytes of its two halves, the other
+// bytes zero; then one mask gives two 6-bit values (the high strip word's nibbles take the two
+// high bits from the low words, shifted to bits 4-5).
+MUSE_FN void q4K_strip_halves(uint4 hd, uint sel, thread float* v) {
+    const uint y = byte_select(hd.y, 0u, sel);  // scales 2iq, 2iq+1 (bits 0-5), high bits of 2iq+4, +5
+    const uint z = byte_select(hd.z, 0u, sel);  // mins likewise
+    const uint w = byte_select(hd.w, 0u, sel);  // low 4 bits of scales (low nibble), mins (high) of 2iq+4, +5
+    const uint c0 = y & 0x003F003Fu;
+    const uint c1 = z & 0x003F003Fu;
+    const uint c2 = (w & 0x000F000Fu) | ((y >> 2) & 0x00300030u);
+    const uint c3 = ((w >> 4) & 0x000F000Fu) | ((z >> 2) & 0x00300030u);
+    v[0] = half_field(c0, 0u); v[1] = half_field(c0, 1u);
+    v[2] = half_field(c2, 0u); v[3] = half_field(c2, 1u);
+    v[4] = half_field(c1, 0u); v[5] = half_field(c1, 1u);
+    v[6] = half_field(c3, 0u); v[7] = half_field(c3, 1u);
+}
+
+// One Q4_K block's contribution for lane (iq, ir), from its 16-byte header (d, dmin, 12 scale
+// bytes) and its two 8-byte quant runs, in ggml's order: nibbles stay in place (x1, x256, x16,
+// x4096) in four even/odd accumulators each, then d*(...) - dmin*(...). HALVES = 0: each nibble
+// as float(w & mask) through the 2^23 pattern, against the activations as they are. HALVES = 1:
+// the same nibble of a word's two ushorts at once as two subnormal halves (half_field): masks
+// 0x000F and 0x00F0 in place give ggml's float(q & mask) times 2^-24; 0x0F00 and 0xF000, shifted
+// down by 8 first, give it times 2^-32. So yl/yh must come scaled by 2^24 (even values, which meet
+// the first two) and 2^32 (odd values): each product is then exactly ggml's.
+// HALVES = 2: the nibbles as in 1, and the scales and mins as subnormal halves too
+// (q4K_strip_halves: s * 2^-24). Each scale multiplies a sum of products (a0..b1) or a run sum
+// (sumy), so those must come 2^24 larger for every product to stay ggml's: yl/yh scaled by 2^48
+// (even) and 2^56 (odd), sumy by 2^24. Scaling up keeps every bit, subnormals included (each of
+// ggml's lane products and sums is a multiple of 2^-149, so where ggml's is subnormal it is exact,
+// and ours, 2^24 above it, is exact too), as long as nothing overflows: exact for |y| < 2^72.
+// `sel` is q4K_strip_halves's (HALVES = 2 only).
+template <int HALVES>
+MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const float* yl,
+                        thread const float* yh, float4 sumy, uint magic, uint sel) {
+    const float d = float(as_type<half>(ushort(hd.x & 0xFFFFu)));
+    const float dmin = float(as_type<half>(ushort(hd.x >> 16)));
+    float sc[8];
+    if (HALVES == 2) q4K_strip_halves(hd, sel, sc);
+    else q4K_strip_floats(hd, iq, magic, sc);
 
     float4 acc1 = {0.0f, 0.0f, 0.0f, 0.0f};
     float4 acc2 = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -126,14 +164,14 @@ MUSE_FN float q4K_block(uint4 hd, uint2 qa, uint2 qb, uint iq, thread const floa
     const float a1 = fma(1.0f / 256.0f, acc1[3], acc1[2]);
     const float b0 = fma(1.0f / 256.0f, acc2[1], acc2[0]);
     const float b1 = fma(1.0f / 256.0f, acc2[3], acc2[2]);
-    float scaled = (a1 * u2f_m(c0 >> 8, magic)) * (1.0f / 16.0f);
-    scaled = fma(a0, u2f_m(c0 & 0xFFu, magic), scaled);
-    scaled = fma(b0, u2f_m(c2 & 0xFFu, magic), scaled);
-    scaled = fma(b1 * u2f_m(c2 >> 8, magic), 1.0f / 16.0f, scaled);
-    float mins = sumy[1] * u2f_m(c1 >> 8, magic);
-    mins = fma(sumy[0], u2f_m(c1 & 0xFFu, magic), mins);
-    mins = fma(sumy[2], u2f_m(c3 & 0xFFu, magic), mins);
-    mins = fma(sumy[3], u2f_m(c3 >> 8, magic), mins);
+    float scaled = (a1 * sc[1]) * (1.0f / 16.0f);
+    scaled = fma(a0, sc[0], scaled);
+    scaled = fma(b0, sc[2], scaled);
+    scaled = fma(b1 * sc[3], 1.0f / 16.0f, scaled);
+    float mins = sumy[1] * sc[5];
+    mins = fma(sumy[0], sc[4], mins);
+    mins = fma(sumy[2], sc[6], mins);
+    mins = fma(sumy[3], sc[7], mins);
     return fma(d, scaled, -(dmin * mins));
 }
 
@@ -215,11 +253,15 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
-// yl, yh as q4K_block<1> takes them: even values x 2^24, odd x 2^32. Exact (powers of two) for
-// |y| < 2^96; beyond, the odd ones overflow where ggml's products would not.
+// yl, yh as q4K_block<HALVES> takes them: HALVES = 1, even values x 2^24, odd x 2^32 (exact,
+// powers of two, for |y| < 2^96; beyond, the odd ones overflow where ggml's products would not);
+// HALVES = 2, x 2^48 and x 2^56 (exact for |y| < 2^72).
+template <int HALVES>
 MUSE_FN void q4K_scale_y(thread float* yl, thread float* yh) {
+    const float even = HALVES == 2 ? 281474976710656.0f : 16777216.0f;
+    const float odd = HALVES == 2 ? 72057594037927936.0f : 4294967296.0f;
     for (int j = 0; j < 16; ++j) {
-        const float f = (j & 1) ? 4294967296.0f : 16777216.0f;
+        const float f = (j & 1) ? odd : even;
         yl[j] *= f;
         yh[j] *= f;
     }
@@ -232,10 +274,10 @@ MUSE_FN void q4K_scale_y(thread float* yl, thread float* yh) {
 // earlier, before the arithmetic of the P rounds before (P + 1 sets of registers, taken in
 // turn), so a SIMD group has loads in flight while it computes. Rows past the end read the
 // last row again (the caller drops their sums). Blocks are added to each row's sum in ggml's
-// order whatever U and P are. HALVES picks q4K_block's nibble form. PREP = 1 (HALVES = 1 only):
-// y holds the activations already scaled as q4K_scale_y scales them and sy their run sums, as
-// the tail that made them writes them (tail_q4: sy[32*block + 4*(4*iq + ir) + k] is the lane's
-// sumy[k]), so neither is computed here; the bits are the same.
+// order whatever U and P are. HALVES picks q4K_block's nibble form. PREP = 1 (HALVES > 0 only):
+// y holds the activations already scaled as q4K_scale_y<HALVES> scales them and sy their run sums
+// (HALVES = 2: times 2^24), as the tail that made them writes them (tail_q4: sy[32*block +
+// 4*(4*iq + ir) + k] is the lane's sumy[k]), so neither is computed here; the bits are the same.
 template <int NA, int NB, int U, int P, int HALVES, int PREP>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, device const float* sy,
@@ -251,6 +293,7 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     }
     device const float* yb = y + ix * 256 + 64 * iq + 8 * ir;
     const uint magic = 0x4B000000u | (tiisg >> 5);  // tiisg < 32, so exactly the pattern -- in a register
+    const uint sel = 0x4140u + 0x0202u * iq;        // q4K_strip_halves's byte permute (HALVES = 2)
     uint4 hd[P + 1][U][NA + NB];
     uint2 qa[P + 1][U][NA + NB];
     uint2 qb[P + 1][U][NA + NB];
@@ -287,10 +330,12 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
                         sumy[2] += yh[j];
                         sumy[3] += yh[j + 8];
                     }
-                    if (HALVES) q4K_scale_y(yl, yh);
+                    if (HALVES) q4K_scale_y<HALVES>(yl, yh);
+                    if (HALVES == 2)
+                        for (int k = 0; k < 4; ++k) sumy[k] *= 16777216.0f;
                 }
                 for (int r = 0; r < NA + NB; ++r)
-                    sumf[r] += q4K_block<HALVES>(hd[s][u][r], qa[s][u][r], qb[s][u][r], iq, yl, yh, sumy, magic);
+                    sumf[r] += q4K_block<HALVES>(hd[s][u][r], qa[s][u][r], qb[s][u][r], iq, yl, yh, sumy, magic, sel);
                 }
             }
             }

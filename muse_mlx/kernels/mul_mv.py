@@ -9,6 +9,7 @@ order (all lanes and rows at once, as arrays), then the SIMD butterfly.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -84,20 +85,39 @@ def q4_K_lane_inputs(y2: mx.array, nb: int):
     return Y, sumy
 
 
-def q4_K_prepared(y: mx.array) -> tuple[mx.array, mx.array]:
-    """Activations ``y [..., K]`` in the form the exact Q4_K lanes read with ``prep=``, as the tail
-    before them writes it (``tail_dual_eps_q4``): ``ys`` = y with even values times 2^24 and odd
-    ones times 2^32 (what the halves form of the nibbles meets; exact below |y| = 2^96), and
-    ``sy [..., K/8]``, each lane's four run sums per block (ggml's ``sumy``, summed in order from
-    0.0f) at ``32*block + 4*(4*iq + ir) + k``."""
+class Q4KPrepared(NamedTuple):
+    """Activations prepared for the exact Q4_K lanes of nibble form ``form`` (:func:`q4_K_prepared`)."""
+
+    ys: mx.array
+    sy: mx.array
+    form: int
+
+
+# Per nibble form (q4K_block's HALVES): the factors of the even and odd values, and of the run sums.
+PREPARED_SCALES = {1: (2.0 ** 24, 2.0 ** 32, 1.0), 2: (2.0 ** 48, 2.0 ** 56, 2.0 ** 24)}
+# The largest |y| each form takes exactly (past it the odd values overflow; form 0 has no limit).
+HALVES_RANGE = {1: 2.0 ** 96, 2: 2.0 ** 72}
+
+
+def q4_K_prepared(y: mx.array, form: int) -> Q4KPrepared:
+    """Activations ``y [..., K]`` in the form the exact Q4_K lanes of nibble form ``form`` (1 or
+    2, :func:`q4K_halves`) read with ``prep=``, as the tail before them writes it
+    (``tail_dual_eps_q4``): ``ys`` = y with even values times 2^24 and odd ones times 2^32 (form
+    1; form 2: 2^48, 2^56), and ``sy [..., K/8]``, each lane's four run sums per block (ggml's
+    ``sumy``, summed in order from 0.0f; form 2: then times 2^24) at ``32*block + 4*(4*iq + ir) + k``.
+    Exact (powers of two) below |y| = :data:`HALVES_RANGE`."""
     K = y.shape[-1]
     if K % 256:
         raise ValueError(f"Q4_K activations come in blocks of 256 values, not {K}")
+    if form not in PREPARED_SCALES:
+        raise ValueError(f"prepared Q4_K activations exist for nibble forms 1 and 2, not {form!r}")
+    even, odd, sums = PREPARED_SCALES[form]
     y2 = _flat(y, K)
     with mx.stream(CPU):
         _, sumy = q4_K_lane_inputs(y2, K // 256)  # [T, nb, iq, ir, k]
-        scale = mx.array([2.0 ** 24, 2.0 ** 32] * (K // 2), F32)
-        return (y2 * scale).reshape(y.shape), sumy.reshape(*y.shape[:-1], K // 8)
+        scale = mx.array([even, odd] * (K // 2), F32)
+        sy = sumy.reshape(*y.shape[:-1], K // 8) * mx.array(sums, F32)
+        return Q4KPrepared((y2 * scale).reshape(y.shape), sy, form)
 
 
 def mul_mv_q4_K_oracle(y, w) -> mx.array:
@@ -227,7 +247,9 @@ _GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",),
 # per value, and with it the tails' prepared activations (q4K_prep): 13-16 % fewer instructions in
 # the GLU's and the projections' loops (kernel_sass.py, NVRTC 13.5; docs/kernels.md). On CUDA since
 # the eleventh session: bit for bit on the H200 (`gpu_check.py --only q4_forms`) and 113.0 against
-# 111.0 tok/s at context 128 on the same machine (docs/performance.md). Metal: 0, since whether half
+# 111.0 tok/s at context 128 on the same machine (docs/performance.md). 2: form 1, and the block's
+# scales and mins as subnormal halves too, picked by byte permutes (against activations scaled by
+# 2^48/2^56, run sums by 2^24: exact below |y| = 2^72, HALVES_RANGE). Metal: 0, since whether half
 # subnormals survive there is unchecked (no Mac).
 Q4K_HALVES = {"cuda": 1, "metal": 0}
 
@@ -244,9 +266,13 @@ def _switch(name: str, default: bool | None) -> bool | None:
 
 def q4K_halves(which: str) -> int:
     """The Q4_K lanes' nibble form on this backend (:data:`Q4K_HALVES`; 0 where it has none):
-    ``MUSE_MLX_Q4K_HALVES=0|1`` overrides it."""
-    on = _switch("MUSE_MLX_Q4K_HALVES", None)
-    return Q4K_HALVES.get(which, 0) if on is None else int(on)
+    ``MUSE_MLX_Q4K_HALVES=0|1|2`` overrides it."""
+    env = os.environ.get("MUSE_MLX_Q4K_HALVES")
+    if env is None:
+        return Q4K_HALVES.get(which, 0)
+    if env not in ("0", "1", "2"):
+        raise ValueError(f"MUSE_MLX_Q4K_HALVES={env!r}: expected 0, 1 or 2")
+    return int(env)
 
 
 # Whether the pinned route holds its Q6_K matrices in the split form (quants.split_q6_K) for the
@@ -347,14 +373,18 @@ def q4K_prep(which: str) -> bool:
 
 def _prep_inputs(prep, y: mx.array, which: str) -> tuple[list[mx.array], int]:
     """The ``ys``, ``sy`` inputs and PREP of a multi or GLU launch on activations ``y``: the
-    prepared activations (:func:`q4_K_prepared`'s pair for ``y``), or two placeholders."""
+    prepared activations (:func:`q4_K_prepared`'s for ``y``), or two placeholders."""
     if prep is None:
         # eight floats: MLX's Metal kernels take an input of fewer than 8 elements in constant
         # space, which the lanes' device pointers cannot point at
         return [constant(0, F32, at_least=8)] * 2, 0
-    if not q4K_halves(which):
-        raise ValueError("prepared Q4_K activations need the halves form (MUSE_MLX_Q4K_HALVES=1)")
-    ys, sy = prep
+    form = q4K_halves(which)
+    if not form:
+        raise ValueError("prepared Q4_K activations need a halves form (MUSE_MLX_Q4K_HALVES=1 or 2)")
+    ys, sy, made_for = prep
+    if made_for != form:  # else every product would be off by a power of two
+        raise ValueError(f"activations prepared for nibble form {made_for} given to lanes of form {form} "
+                         f"(MUSE_MLX_Q4K_HALVES changed between the tail and the matvec?)")
     want = (tuple(y.shape), (*y.shape[:-1], y.shape[-1] // 8))
     if (tuple(ys.shape), tuple(sy.shape)) != want:  # else the lanes would read past them
         raise ValueError(f"prepared activations of shapes {tuple(ys.shape)} and {tuple(sy.shape)} do not "
@@ -481,7 +511,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     """``concat([y @ W.T for W in weights], -1)`` in one dispatch; ``weights`` = [(raw rows, "q4_K"|"q6_K")].
 
     Up to four matrices with the same input width; every row gets exactly the single kernels' bits.
-    ``prep``: ``y`` prepared for the Q4_K lanes (:func:`q4_K_prepared`'s pair, from the tail that
+    ``prep``: ``y`` prepared for the Q4_K lanes (:func:`q4_K_prepared`'s, from the tail that
     made ``y``), which then read it instead of scaling and summing ``y`` (the same bits)."""
     if not 1 <= len(weights) <= 4:
         raise ValueError(f"mul_mv_multi takes 1 to 4 matrices, got {len(weights)}")

@@ -87,10 +87,12 @@ def _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, template, which, extra
     )
 
 
-def _tail_and_form(kernel, group: str, size: int, cpu_form, extra, hidden, src, w1, w2, eps1, eps2, geometry, which):
+def _tail_and_form(kernel, group: str, size: int, cpu_form, extra, hidden, src, w1, w2, eps1, eps2, geometry, which,
+                   template=()):
     """The exact tail and its output in a matvec's input form: ``(hidden, output, form)``, where
     rows must be a multiple of ``size`` values (``group`` names what they come in) and ``extra``
-    gives the form's outputs; on the CPU, ``cpu_form(output)``."""
+    gives the form's outputs; on the CPU, ``cpu_form(output)``. ``template``: the form's own
+    template arguments."""
     n = src.shape[-1]
     if n % size:
         raise ValueError(f"{group} of {size} values, not {n}")
@@ -99,7 +101,8 @@ def _tail_and_form(kernel, group: str, size: int, cpu_form, extra, hidden, src, 
     if which == "cpu":
         hid, out = tail_dual_eps_oracle(hidden, src, w1, w2, eps1, eps2, nth)
         return hid, out, cpu_form(out)
-    hid, out, *form = _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, [("N", n), ("NTH", nth)], which, extra)
+    hid, out, *form = _launch(kernel, hidden, src, w1, w2, eps1, eps2, nth, [("N", n), ("NTH", nth), *template],
+                              which, extra)
     return hid, out, tuple(form)
 
 
@@ -127,14 +130,20 @@ def tail_dual_eps_q8(hidden, src, w1, w2, eps1: float, eps2: float, geometry: st
 
 def tail_dual_eps_q4(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):
     """:func:`tail_dual_eps` (the same bits) that also returns its output prepared for the exact
-    Q4_K matvecs after it, ``(ys, sy)`` as :func:`~muse_mlx.kernels.mul_mv.q4_K_prepared` gives
-    them (their ``prep=``): the lanes then neither scale nor sum the activations. Rows of a
-    multiple of 256 values."""
-    from .mul_mv import q4_K_prepared
+    Q4_K matvecs after it, as :func:`~muse_mlx.kernels.mul_mv.q4_K_prepared` gives it for this
+    backend's nibble form (their ``prep=``): the lanes then neither scale nor sum the
+    activations. Rows of a multiple of 256 values."""
+    from .mul_mv import Q4KPrepared, q4_K_prepared, q4K_halves
 
+    which = which or backend()
+    # a backend without a halves form (the CPU: its oracles read y) gets form 1's; lanes of form 0
+    # refuse prepared activations, and lanes of the other form these (mul_mv._prep_inputs)
+    form = q4K_halves(which) or 1
     extra = [(src.shape, F32), ((*src.shape[:-1], src.shape[-1] // 8), F32)]  # scaled values, run sums
-    return _tail_and_form(_DUAL_EPS_Q4, "Q4_K activations come in blocks", 256, q4_K_prepared, extra,
-                          hidden, src, w1, w2, eps1, eps2, geometry, which)
+    hid, out, made = _tail_and_form(_DUAL_EPS_Q4, "Q4_K activations come in blocks", 256,
+                                    lambda o: q4_K_prepared(o, form), extra, hidden, src, w1, w2, eps1, eps2,
+                                    geometry, which, [("HALVES", form)])
+    return hid, out, Q4KPrepared(made[0], made[1], form)
 
 
 def tail_32sg(hidden, src, w1, w2, eps1: float, eps2: float, which=None):
