@@ -256,11 +256,12 @@ class PinnedRoute(Route):
         # the exact Q4_K matvec after the tail reads its output scaled and summed by the tail; not
         # before the head, the q8 kernels or the legacy fused FFN, which read y
         takes_prep = not feeds_head and "mv_q8" not in self.flags and not (feeds_ffn and "ffn_4r2s" in self.flags)
+        kind = "q4_K" if feeds_ffn else "q4_K multi"  # the GLU, or the q|k|v|gate call
         if (takes_prep and not self._batched(src) and src.shape[-1] % 256 == 0
-                and kernels.mul_mv.q4K_prep(kernels.backend())):
+                and kernels.mul_mv.q4K_prep(kernels.backend(), kind)):
             self.count("fused_norm_residual_rms_norm_batch_dual_eps_q4")
             hidden, out, prep = kernels.tail_dual_eps_q4(hidden, src, post.gamma, nxt.gamma, post.eps, nxt.eps,
-                                                         self.geometry)
+                                                         self.geometry, kind=kind)
             self._forms["q4_K"] = (out, prep)
             return hidden, out
         self.count("fused_norm_residual_rms_norm_batch_dual_eps")

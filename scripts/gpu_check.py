@@ -467,8 +467,10 @@ def edge_activations(rng, k, form: int | None = None):
     (mul_mv.HALVES_RANGE: 2^95 for forms 0 and 1, which scale by up to 2^32 and are exact below
     |y| = 2^96; 2^71 for form 2). The huge ones get a token of their own: they swamp every other
     product of a row, so a wrong order among ordinary values shows only in the first token.
-    ``form`` None: the form the engine runs here."""
-    form = mul_mv.q4K_halves(WHICH) if form is None else form
+    ``form`` None: the narrowest of the forms the engine runs here."""
+    if form is None:
+        forms = {mul_mv.q4K_halves(WHICH, kind) for kind in mul_mv.Q4K_KINDS}
+        form = 2 if 2 in forms else max(forms)
     v = rng.standard_normal((2, k)).astype(np.float32)
     small = np.array([0.0, -0.0, 1e-45, -3e-42, 1.2e-38, -1e-30], np.float32)
     for row in v:
@@ -479,9 +481,9 @@ def edge_activations(rng, k, form: int | None = None):
     return mx.array(v)
 
 
-def prepared(y):
-    """``y`` prepared for the Q4_K lanes of the nibble form the engine runs here."""
-    return mul_mv.q4_K_prepared(y, mul_mv.q4K_halves(WHICH))
+def prepared(y, kind: str):
+    """``y`` prepared for the Q4_K lanes of geometry kind ``kind`` in the nibble form the engine runs here."""
+    return mul_mv.q4_K_prepared(y, mul_mv.q4K_halves(WHICH, kind))
 
 
 def check_q4_forms(rng, quick):
@@ -540,9 +542,7 @@ def check_q4_forms(rng, quick):
     # end to end: a tiny model's decode, each combination of the switches against the default
     model, tokens = tiny_model(rng, 24)
     base = tiny_decode(model, tokens)
-    combo = lambda halves, prep: (halves, prep if halves != "0" else None)  # noqa: E731  (PREP needs a halves form)
-    default = combo(str(mul_mv.q4K_halves(WHICH)), os.environ.get("MUSE_MLX_Q4K_PREP", "1"))
-    for halves, prep in [c for c in (("2", "1"), ("2", "0"), ("1", "1"), ("1", "0"), ("0", "1")) if combo(*c) != default]:
+    for halves, prep in (("2", "1"), ("2", "0"), ("1", "1"), ("1", "0"), ("0", "1")):  # every kind at once
         model.route.dispatches.clear()
         with env("MUSE_MLX_Q4K_HALVES", halves), env("MUSE_MLX_Q4K_PREP", prep):
             got = tiny_decode(model, tokens)
@@ -605,7 +605,7 @@ def check_mv_warps(rng, quick):
             compare(f"mul_mv_q4_K_f32 {warps} warps == unbounded", f"{name} {w.shape[0]}x{y.shape[-1]} edge y", got, want,
                     note="all rows")
         key = ("cuda", bounds_of((32, nsg["q4_K multi"], 1), warps // nsg["q4_K multi"]))
-        for prep in (None, prepared(x)):
+        for prep in (None, prepared(x, "q4_K multi")):
             want = gpu_as(mul_mv._MULTI, ("cuda", None), K.mul_mv_multi, x, mats, prep=prep)
             with env("MUSE_MLX_MULTI_WARPS", str(warps)):
                 got = gpu_as(mul_mv._MULTI, key, K.mul_mv_multi, x, mats, prep=prep)
@@ -633,7 +633,7 @@ def check_kind_geometries(rng, quick):
     D, ff = (6656, 19968) if not quick else (512, 768)
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
-    prep = prepared(x)
+    prep = {kind: prepared(x, kind) for kind in ("q4_K", "q4_K multi")}
     mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     calls = {"MUSE_MLX_MV_GEOMETRY_SINGLE": [
@@ -642,11 +642,11 @@ def check_kind_geometries(rng, quick):
              "MUSE_MLX_MV_GEOMETRY_MULTI": [
                  (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda which: K.mul_mv_multi(x, mats, which=which)),
                  (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
-                  lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep))],
+                  lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep["q4_K multi"]))],
              "MUSE_MLX_MV_GEOMETRY": [
                  (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
                  (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared",
-                  lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep))]}
+                  lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
     for var, geometries in KIND_GEOMETRIES.items():
         for name, call in calls[var]:  # each call launches one kernel, of the kind ``var`` sets
             want = gpu(call)

@@ -653,25 +653,41 @@ def test_prepared_activations_are_checked(monkeypatch):
     q = qrows(4, 256, "q4_K")
     with pytest.raises(ValueError, match="halves form"):
         K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(y, 1), which="record")
-    assert not mul_mv.q4K_prep("cuda")
+    assert not mul_mv.q4K_prep("cuda", "q4_K") and not mul_mv.q4K_prep("cuda", "q4_K multi")
     for lanes, made in (("2", 1), ("1", 2)):  # every product would be off by 2^24
         monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", lanes)
         with pytest.raises(ValueError, match=f"prepared for nibble form {made} given to lanes of form {lanes}"):
             K.mul_mv_glu(y, q, q, "q4_K", prep=mul_mv.q4_K_prepared(y, made), which="record")
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "3")
     with pytest.raises(ValueError, match="MUSE_MLX_Q4K_HALVES"):
-        mul_mv.q4K_halves("cuda")
+        mul_mv.q4K_halves("cuda", "q4_K")
+    with pytest.raises(ValueError, match="no Q4_K nibble form for kind 'q6_K'"):
+        mul_mv.q4K_halves("cuda", "q6_K")
     monkeypatch.delenv("MUSE_MLX_Q4K_HALVES")
-    for which in ("cuda", "metal", "cpu"):  # the defaults: the per-backend table, else 0
-        assert mul_mv.q4K_halves(which) == mul_mv.Q4K_HALVES.get(which, 0)
-        assert mul_mv.q4K_prep(which) == (which != "cpu" and mul_mv.Q4K_HALVES.get(which, 0) == 1)
+    # the defaults: the per-backend table (per kind where it has one), else 0
+    assert [mul_mv.q4K_halves("cuda", k) for k in mul_mv.Q4K_KINDS] == [mul_mv.Q4K_HALVES["cuda"][k]
+                                                                       for k in mul_mv.Q4K_KINDS]
+    for which in ("metal", "cpu"):
+        assert all(mul_mv.q4K_halves(which, k) == mul_mv.Q4K_HALVES.get(which, 0) for k in mul_mv.Q4K_KINDS)
+    for kind in mul_mv.Q4K_KINDS:
+        assert mul_mv.q4K_prep("cuda", kind) == (mul_mv.Q4K_HALVES["cuda"][kind] > 0)
+        assert not mul_mv.q4K_prep("cpu", kind)
+    # a kind's own switch wins over the one for all kinds; the others keep that one
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
-    assert mul_mv.q4K_prep("cuda") and mul_mv.q4K_prep("metal") and not mul_mv.q4K_prep("cpu")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES_MULTI", "2")
+    assert [mul_mv.q4K_halves("metal", k) for k in mul_mv.Q4K_KINDS] == [1, 1, 2]
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES_GLU", "0")
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES_SINGLE", "2")
+    assert [mul_mv.q4K_halves("cuda", k) for k in mul_mv.Q4K_KINDS] == [0, 2, 2]
+    assert not mul_mv.q4K_prep("cuda", "q4_K") and mul_mv.q4K_prep("cuda", "q4_K multi")
+    for name in ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES_SINGLE", "MUSE_MLX_Q4K_HALVES_MULTI"):
+        monkeypatch.delenv(name)
+    assert mul_mv.q4K_prep("cuda", "q4_K") and mul_mv.q4K_prep("metal", "q4_K") and not mul_mv.q4K_prep("cpu", "q4_K")
     monkeypatch.setenv("MUSE_MLX_Q4K_PREP", "0")
-    assert not mul_mv.q4K_prep("cuda")
+    assert not mul_mv.q4K_prep("cuda", "q4_K")
     monkeypatch.setenv("MUSE_MLX_Q4K_PREP", "yes")
     with pytest.raises(ValueError, match="MUSE_MLX_Q4K_PREP"):
-        mul_mv.q4K_prep("cuda")
+        mul_mv.q4K_prep("cuda", "q4_K")
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "1")
     with pytest.raises(ValueError, match=r"do not belong to activations \(1, 256\)"):  # another token's
         K.mul_mv_multi(y, [(q, "q4_K")], prep=mul_mv.q4_K_prepared(arr(2, 256), 1), which="record")

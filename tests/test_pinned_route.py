@@ -321,19 +321,21 @@ def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
 def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monkeypatch):
     """On a GPU (here forced: on the CPU the oracles read y either way) each tail that feeds a
     Q4_K projection or GLU also writes its output prepared for it (tail_dual_eps_q4), and the
-    projection and the GLU take it; the last tail, before the Q6_K head, does not. The bits are the
-    oracles' either way; that the kernels' are too is test_decode_kernels.py (emulator) and gpu_check."""
+    projection and the GLU take it, each in the nibble form of its own kind (here the GLU's 2, the
+    projections' 1); the last tail, before the Q6_K head, does not. The bits are the oracles' either
+    way; that the kernels' are too is test_decode_kernels.py (emulator) and gpu_check."""
     from muse_mlx.kernels import mul_mv
 
     model = load_model(tiny("muse-glimmer"), "pinned")
     model.kv_dtype = mx.float16
     taken = []
     glu, multi = mul_mv.mul_mv_glu, mul_mv.mul_mv_multi
+    monkeypatch.setitem(mul_mv.Q4K_HALVES, "cpu", {"q4_K": 2, "q4_K single": 1, "q4_K multi": 1})
 
-    def spy(fn):
+    def spy(fn, form):
         def call(y, *a, prep=None, **kw):
             if prep is not None:  # exactly the form of this call's input, not another's
-                assert prep.form == (mul_mv.q4K_halves("cpu") or 1)  # the CPU has no halves form: 1's
+                assert prep.form == form  # prepared for this kind of call
                 want = mul_mv.q4_K_prepared(y, prep.form)
                 for got, exp in ((prep.ys, want.ys), (prep.sy, want.sy)):
                     np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(exp).view(np.uint32))
@@ -343,9 +345,9 @@ def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monk
 
     out = {}
     for forced in (False, True):
-        monkeypatch.setattr(mul_mv, "q4K_prep", lambda which, f=forced: f)
-        monkeypatch.setattr(K, "mul_mv_glu", spy(glu))
-        monkeypatch.setattr(K, "mul_mv_multi", spy(multi))
+        monkeypatch.setattr(mul_mv, "q4K_prep", lambda which, kind, f=forced: f)
+        monkeypatch.setattr(K, "mul_mv_glu", spy(glu, 2))
+        monkeypatch.setattr(K, "mul_mv_multi", spy(multi, 1))
         cache = model.make_cache()
         model(mx.array([TOKENS[:5]]), cache)
         model.route.dispatches.clear()

@@ -101,7 +101,7 @@ HALVES_RANGE = {1: 2.0 ** 96, 2: 2.0 ** 72}
 
 def q4_K_prepared(y: mx.array, form: int) -> Q4KPrepared:
     """Activations ``y [..., K]`` in the form the exact Q4_K lanes of nibble form ``form`` (1 or
-    2, :func:`q4K_halves`) read with ``prep=``, as the tail before them writes it
+    2, :func:`q4K_halves` of their kind) read with ``prep=``, as the tail before them writes it
     (``tail_dual_eps_q4``): ``ys`` = y with even values times 2^24 and odd ones times 2^32 (form
     1; form 2: 2^48, 2^56), and ``sy [..., K/8]``, each lane's four run sums per block (ggml's
     ``sumy``, summed in order from 0.0f; form 2: then times 2^24) at ``32*block + 4*(4*iq + ir) + k``.
@@ -249,9 +249,18 @@ _GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",),
 # the eleventh session: bit for bit on the H200 (`gpu_check.py --only q4_forms`) and 113.0 against
 # 111.0 tok/s at context 128 on the same machine (docs/performance.md). 2: form 1, and the block's
 # scales and mins as subnormal halves too, picked by byte permutes (against activations scaled by
-# 2^48/2^56, run sums by 2^24: exact below |y| = 2^72, HALVES_RANGE). Metal: 0, since whether half
-# subnormals survive there is unchecked (no Mac).
-Q4K_HALVES = {"cuda": 1, "metal": 0}
+# 2^48/2^56, run sums by 2^24: exact below |y| = 2^72, HALVES_RANGE): 8 % fewer instructions in
+# the GLU's loop and the multi kernel's, 5 % in the lone kernel's. Per geometry kind, since the
+# kinds took it differently on the H200 (twenty-first session, docs/performance.md): the GLU 3.5 %
+# faster with 2, the lone ffn_down 18 % slower (NVRTC issues two of its activation loads after the
+# arithmetic that needs the first six: a second wait on memory each round), the multi kernel no
+# faster. Metal: 0, since whether half subnormals survive there is unchecked (no Mac).
+Q4K_HALVES = {"cuda": {"q4_K": 2, "q4_K single": 1, "q4_K multi": 1}, "metal": 0}
+Q4K_KINDS = ("q4_K", "q4_K single", "q4_K multi")  # the GLU, the lone matvec, the multi kernel
+# The switches per kind: a kind's own, else the one for all of them.
+_HALVES_ENV = {"q4_K": ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES"),
+               "q4_K single": ("MUSE_MLX_Q4K_HALVES_SINGLE", "MUSE_MLX_Q4K_HALVES"),
+               "q4_K multi": ("MUSE_MLX_Q4K_HALVES_MULTI", "MUSE_MLX_Q4K_HALVES")}
 
 
 def _switch(name: str, default: bool | None) -> bool | None:
@@ -264,15 +273,20 @@ def _switch(name: str, default: bool | None) -> bool | None:
     return env == "1"
 
 
-def q4K_halves(which: str) -> int:
-    """The Q4_K lanes' nibble form on this backend (:data:`Q4K_HALVES`; 0 where it has none):
-    ``MUSE_MLX_Q4K_HALVES=0|1|2`` overrides it."""
-    env = os.environ.get("MUSE_MLX_Q4K_HALVES")
-    if env is None:
-        return Q4K_HALVES.get(which, 0)
-    if env not in ("0", "1", "2"):
-        raise ValueError(f"MUSE_MLX_Q4K_HALVES={env!r}: expected 0, 1 or 2")
-    return int(env)
+def q4K_halves(which: str, kind: str) -> int:
+    """The nibble form of the Q4_K lanes of geometry kind ``kind`` (:data:`Q4K_KINDS`) on this
+    backend (:data:`Q4K_HALVES`; 0 where it has none). ``MUSE_MLX_Q4K_HALVES=0|1|2`` overrides it
+    for every kind, ``MUSE_MLX_Q4K_HALVES_GLU``, ``_SINGLE`` and ``_MULTI`` for one."""
+    if kind not in _HALVES_ENV:
+        raise ValueError(f"no Q4_K nibble form for kind {kind!r} (kinds: {', '.join(Q4K_KINDS)})")
+    for name in _HALVES_ENV[kind]:
+        env = os.environ.get(name)
+        if env is not None:
+            if env not in ("0", "1", "2"):
+                raise ValueError(f"{name}={env!r}: expected 0, 1 or 2")
+            return int(env)
+    table = Q4K_HALVES.get(which, 0)
+    return table.get(kind, 0) if isinstance(table, dict) else table
 
 
 # Whether the pinned route holds its Q6_K matrices in the split form (quants.split_q6_K) for the
@@ -364,27 +378,29 @@ def multi_min_blocks(which: str, nsg: int) -> int:
     return _bounded_warps(which, nsg, MULTI_WARPS.get("cuda", 0), "MUSE_MLX_MULTI_WARPS", "the multi kernel") // nsg
 
 
-def q4K_prep(which: str) -> bool:
-    """Whether the exact tails write their output prepared for the Q4_K matvecs after them
-    (``tail_dual_eps_q4``; the matvecs' ``prep=``): on a GPU whose lanes take the halves form
-    (:func:`q4K_halves`), unless ``MUSE_MLX_Q4K_PREP=0``. On the CPU the oracles read ``y`` anyway."""
-    return _switch("MUSE_MLX_Q4K_PREP", True) and which not in ("cpu", "record") and bool(q4K_halves(which))
+def q4K_prep(which: str, kind: str) -> bool:
+    """Whether the exact tails write their output prepared for the Q4_K matvecs of kind ``kind``
+    after them (``tail_dual_eps_q4``; the matvecs' ``prep=``): on a GPU whose lanes of that kind
+    take a halves form (:func:`q4K_halves`), unless ``MUSE_MLX_Q4K_PREP=0``. On the CPU the oracles
+    read ``y`` anyway."""
+    return (_switch("MUSE_MLX_Q4K_PREP", True) and which not in ("cpu", "record")
+            and bool(q4K_halves(which, kind)))
 
 
-def _prep_inputs(prep, y: mx.array, which: str) -> tuple[list[mx.array], int]:
-    """The ``ys``, ``sy`` inputs and PREP of a multi or GLU launch on activations ``y``: the
-    prepared activations (:func:`q4_K_prepared`'s for ``y``), or two placeholders."""
+def _prep_inputs(prep, y: mx.array, which: str, kind: str) -> tuple[list[mx.array], int]:
+    """The ``ys``, ``sy`` inputs and PREP of a multi or GLU launch (geometry kind ``kind``) on
+    activations ``y``: the prepared activations (:func:`q4_K_prepared`'s for ``y``), or two placeholders."""
     if prep is None:
         # eight floats: MLX's Metal kernels take an input of fewer than 8 elements in constant
         # space, which the lanes' device pointers cannot point at
         return [constant(0, F32, at_least=8)] * 2, 0
-    form = q4K_halves(which)
+    form = q4K_halves(which, kind)
     if not form:
-        raise ValueError("prepared Q4_K activations need a halves form (MUSE_MLX_Q4K_HALVES=1 or 2)")
+        raise ValueError(f"prepared Q4_K activations need a halves form ({_HALVES_ENV[kind][0]}=1 or 2)")
     ys, sy, made_for = prep
     if made_for != form:  # else every product would be off by a power of two
         raise ValueError(f"activations prepared for nibble form {made_for} given to lanes of form {form} "
-                         f"(MUSE_MLX_Q4K_HALVES changed between the tail and the matvec?)")
+                         f"({kind!r}; a tail prepares for the kind after it, see tail_dual_eps_q4)")
     want = (tuple(y.shape), (*y.shape[:-1], y.shape[-1] // 8))
     if (tuple(ys.shape), tuple(sy.shape)) != want:  # else the lanes would read past them
         raise ValueError(f"prepared activations of shapes {tuple(ys.shape)} and {tuple(sy.shape)} do not "
@@ -447,7 +463,7 @@ def _launch(kernel, y, w, which, geometry, kind, split=False):
     nr0, nsg, u, p = mv_geometry(geometry, which, kind)
     template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
     if qtype == "q4_K":
-        template.append(("HALVES", q4K_halves(which)))
+        template.append(("HALVES", q4K_halves(which, kind)))
     else:
         template.append(("SPLIT", int(split)))
     (dst,) = kernel(
@@ -523,8 +539,9 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     nr0, nsg, u, p = mv_geometry(geometry, which, "q4_K multi")
     per_tg = nr0 * nsg
     mats, rows, kinds = _four_slots(weights)
-    prepared, pre = _prep_inputs(prep, y, which)
-    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which)), ("PREP", pre)]
+    prepared, pre = _prep_inputs(prep, y, which, "q4_K multi")
+    template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which, "q4_K multi")),
+                ("PREP", pre)]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
@@ -551,12 +568,12 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
         raise ValueError(f"prepared activations are for Q4_K matrices, not {kind}")
     y, T = _tokens(y, K)
     nr0, nsg, u, p = mv_geometry(geometry, which, "q6_K" if kind == "q6_K_split" else kind)
-    prepared, pre = _prep_inputs(prep, y, which)
+    prepared, pre = _prep_inputs(prep, y, which, "q4_K")
     (dst,) = _GLU(
         [w_gate, w_up, y] + prepared, [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
-                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which)),
+                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which, "q4_K")),
                   ("PREP", pre)], which=which, min_blocks=glu_min_blocks(which, nsg) if kind == "q4_K" else 0,
     )
     return dst

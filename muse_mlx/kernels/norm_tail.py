@@ -128,17 +128,19 @@ def tail_dual_eps_q8(hidden, src, w1, w2, eps1: float, eps2: float, geometry: st
                           extra, hidden, src, w1, w2, eps1, eps2, geometry, which)
 
 
-def tail_dual_eps_q4(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None):
+def tail_dual_eps_q4(hidden, src, w1, w2, eps1: float, eps2: float, geometry: str = "llama", which=None,
+                     kind: str = "q4_K"):
     """:func:`tail_dual_eps` (the same bits) that also returns its output prepared for the exact
-    Q4_K matvecs after it, as :func:`~muse_mlx.kernels.mul_mv.q4_K_prepared` gives it for this
-    backend's nibble form (their ``prep=``): the lanes then neither scale nor sum the
-    activations. Rows of a multiple of 256 values."""
+    Q4_K matvecs of geometry kind ``kind`` after it ("q4_K", the GLU, or "q4_K multi"), as
+    :func:`~muse_mlx.kernels.mul_mv.q4_K_prepared` gives it for their nibble form (their
+    ``prep=``): the lanes then neither scale nor sum the activations. Rows of a multiple of 256
+    values."""
     from .mul_mv import Q4KPrepared, q4_K_prepared, q4K_halves
 
     which = which or backend()
     # a backend without a halves form (the CPU: its oracles read y) gets form 1's; lanes of form 0
     # refuse prepared activations, and lanes of the other form these (mul_mv._prep_inputs)
-    form = q4K_halves(which) or 1
+    form = q4K_halves(which, kind) or 1
     extra = [(src.shape, F32), ((*src.shape[:-1], src.shape[-1] // 8), F32)]  # scaled values, run sums
     hid, out, made = _tail_and_form(_DUAL_EPS_Q4, "Q4_K activations come in blocks", 256,
                                     lambda o: q4_K_prepared(o, form), extra, hidden, src, w1, w2, eps1, eps2,
