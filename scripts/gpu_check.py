@@ -625,19 +625,11 @@ KIND_GEOMETRIES = {"MUSE_MLX_MV_GEOMETRY_SINGLE": ("2x2x1x0", "3x2x1x0", "4x2x1x
                    "MUSE_MLX_MV_GEOMETRY": ("2x2x1x0", "4x2x1x0")}
 
 
-# The early activation loads per kind (MUSE_MLX_Q4K_Y_EARLY_*: q4K_lane_sums's YE), checked as the
-# geometries are; each variable's calls are those of the geometry variable of its kind.
-KIND_Y_EARLY = {"MUSE_MLX_Q4K_Y_EARLY_SINGLE": "MUSE_MLX_MV_GEOMETRY_SINGLE",
-                "MUSE_MLX_Q4K_Y_EARLY_MULTI": "MUSE_MLX_MV_GEOMETRY_MULTI",
-                "MUSE_MLX_Q4K_Y_EARLY_GLU": "MUSE_MLX_MV_GEOMETRY"}
-
-
 def check_kind_geometries(rng, quick):
     """The lone Q4_K matvec, the multi kernel and the GLU at the geometries of KIND_GEOMETRIES, each
-    set through its kind's variable, and with their activations loaded early (KIND_Y_EARLY),
-    against the same call at the tuned geometry: all rows, edge activations, plain and prepared;
-    then a tiny model's decode with each kind at each setting against the tuned decode. Neither may
-    move a bit."""
+    set through its kind's variable, against the same call at the tuned geometry: all rows, edge
+    activations, plain and prepared; then a tiny model's decode with each kind at such a geometry
+    against the tuned decode. A geometry must not move a bit."""
     D, ff = (6656, 19968) if not quick else (512, 768)
     qw, kvw = (4096, 256) if not quick else (256, 64)
     x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
@@ -655,22 +647,20 @@ def check_kind_geometries(rng, quick):
                  (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
                  (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared",
                   lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
-    # (variable, value, the calls of its kind): each call launches one kernel, of that kind
-    settings = [(var, g, var) for var, geometries in KIND_GEOMETRIES.items() for g in geometries]
-    settings += [(var, "1", kind_var) for var, kind_var in KIND_Y_EARLY.items()]
-    want = {name: gpu(call) for kind_calls in calls.values() for name, call in kind_calls}
-    for var, value, kind_var in settings:
-        for name, call in calls[kind_var]:
-            with env(var, value):
-                got = gpu(call)
-            compare(f"{name} {var.removeprefix('MUSE_MLX_')}={value} == tuned", "edge y", got, want[name],
-                    note="all rows")
+    for var, geometries in KIND_GEOMETRIES.items():
+        for name, call in calls[var]:  # each call launches one kernel, of the kind ``var`` sets
+            want = gpu(call)
+            for geometry in geometries:
+                with env(var, geometry):
+                    got = gpu(call)
+                compare(f"{name} {geometry} == tuned", "edge y", got, want, note=f"{var}, all rows")
     model, tokens = tiny_model(rng, 24)
     base = tiny_decode(model, tokens)
-    for var, value, _ in settings:
-        with env(var, value):
-            got = tiny_decode(model, tokens)
-        compare(f"decode {var}={value} == tuned", "tiny muse-glimmer, 16 tokens", got, base)
+    for var, geometries in KIND_GEOMETRIES.items():
+        for geometry in geometries:
+            with env(var, geometry):
+                got = tiny_decode(model, tokens)
+            compare(f"decode {var}={geometry} == tuned", "tiny muse-glimmer, 16 tokens", got, base)
 
 
 def check_head_warps(rng, quick):

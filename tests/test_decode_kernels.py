@@ -139,30 +139,6 @@ def test_loads_issued_a_round_early_give_ggml_bits(kind, k, geometry):
 
 
 @emulator
-@pytest.mark.parametrize("form", ["1", "2"])
-@pytest.mark.parametrize("geometry", ["2x2x1x1", "2x2x2x1", "1x2x2x3", "2x2x1x0"])
-def test_activations_loaded_early_give_ggml_bits(geometry, form, monkeypatch):
-    """YE = 1 (MUSE_MLX_Q4K_Y_EARLY: a round's activations and run sums loaded with its weights, P
-    rounds early, into sets of their own): the lone kernel, the multi kernel and the GLU, plain
-    and prepared, at rows of 3, 13 and 19 blocks, so lanes end on every set of registers."""
-    monkeypatch.setenv("MUSE_MLX_Q4K_Y_EARLY", "1")
-    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", form)
-    for k in (768, 3328, 4864):
-        y, w, u = edge_activations(2, k, int(form)), qrows(13, k, "q4_K"), qrows(13, k, "q4_K")
-        want = mul_mv.mul_mv_q4_K_oracle(y, w)
-        assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w, geometry=geometry), want)
-        assert ("YE", 1) in record_one(K.mul_mv_q4_K, y, w, geometry=geometry)["template"]  # the switch took
-        prep = mul_mv.q4_K_prepared(y, int(form))
-        ws = [(w, "q4_K"), (qrows(4, k, "q6_K"), "q6_K")]
-        want_multi = mx.concatenate([want, mul_mv.ORACLES["q6_K"](y, ws[1][0])], axis=-1)
-        want_glu = ffn.silu_oracle(want, mul_mv.mul_mv_q4_K_oracle(y, u), exp=libm("expf"))
-        for pr in (None, prep):
-            assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry, prep=pr), want_multi)
-            assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, w, u, "q4_K", "silu", geometry=geometry, prep=pr),
-                              want_glu)
-
-
-@emulator
 @pytest.mark.parametrize("geometry", ["ggml", "4x2", "2x2x2", "2x2x1x1", "3x2", "3x2x1x1"])
 def test_multi_kernel(geometry):
     y = arr(2, 512)
@@ -685,7 +661,7 @@ def test_prepared_activations_are_checked(monkeypatch):
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", "3")
     with pytest.raises(ValueError, match="MUSE_MLX_Q4K_HALVES"):
         mul_mv.q4K_halves("cuda", "q4_K")
-    with pytest.raises(ValueError, match="no Q4_K setting for kind 'q6_K'"):
+    with pytest.raises(ValueError, match="no Q4_K nibble form for kind 'q6_K'"):
         mul_mv.q4K_halves("cuda", "q6_K")
     monkeypatch.delenv("MUSE_MLX_Q4K_HALVES")
     # the defaults: the per-backend table (per kind where it has one), else 0

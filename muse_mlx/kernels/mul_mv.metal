@@ -253,22 +253,6 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
-// The activation loads of one round of U blocks (jb, jb+4, ...) of a lane: its eight float4s of
-// y per block (values 64iq+8ir+{0..7}, +32, +128, +160: `y` is the lane's first value of block 0)
-// and, with PREP, its four run sums (`sl`, likewise). Past the row's end a block is read again,
-// not used.
-template <int U, int PREP>
-MUSE_FN void q4K_load_y(device const float* y, device const float* sl, uint jb, uint nb, thread float4 (*v)[8],
-                        thread float4* sums) {
-    for (int u = 0; u < U; ++u) {
-        const uint j = min(jb + 4u * u, nb - 1u);
-        device const float4* y4 = (device const float4*)(y + j * 256u);
-        v[u][0] = y4[0]; v[u][1] = y4[1]; v[u][2] = y4[8]; v[u][3] = y4[9];
-        v[u][4] = y4[32]; v[u][5] = y4[33]; v[u][6] = y4[40]; v[u][7] = y4[41];
-        if (PREP) sums[u] = *(device const float4*)(sl + j * 32u);
-    }
-}
-
 // yl, yh as q4K_block<HALVES> takes them: HALVES = 1, even values x 2^24, odd x 2^32 (exact,
 // powers of two, for |y| < 2^96; beyond, the odd ones overflow where ggml's products would not);
 // HALVES = 2, x 2^48 and x 2^56 (exact for |y| < 2^72).
@@ -294,9 +278,7 @@ MUSE_FN void q4K_scale_y(thread float* yl, thread float* yh) {
 // y holds the activations already scaled as q4K_scale_y<HALVES> scales them and sy their run sums
 // (HALVES = 2: times 2^24), as the tail that made them writes them (tail_q4: sy[32*block +
 // 4*(4*iq + ir) + k] is the lane's sumy[k]), so neither is computed here; the bits are the same.
-// YE = 1: the lane's activations (and run sums) of a round are loaded with its weights, P rounds
-// early, into P + 1 sets of registers of their own (q4K_load_y); YE = 0: when the round computes.
-template <int NA, int NB, int U, int P, int HALVES, int PREP, int YE>
+template <int NA, int NB, int U, int P, int HALVES, int PREP>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, device const float* sy,
                            uint tiisg, thread float* sumf) {
@@ -315,13 +297,8 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     uint4 hd[P + 1][U][NA + NB];
     uint2 qa[P + 1][U][NA + NB];
     uint2 qb[P + 1][U][NA + NB];
-    float4 yv[YE ? P + 1 : 1][U][8];  // YE: each round's activations, loaded with its weights
-    float4 sv[YE ? P + 1 : 1][U];     // and, with PREP, their run sums
-    device const float* sl = sy + 4u * (4u * iq + ir);  // the lane's run sums of block 0 (PREP)
-    for (int e = 0; e < P; ++e) {  // the first P rounds' loads
+    for (int e = 0; e < P; ++e)  // the first P rounds' loads
         q4K_load_round<NA + NB, U>(row, ix + 4u * U * e, nb, qoff, hd[e], qa[e], qb[e]);
-        if (YE) q4K_load_y<U, PREP>(yb - ix * 256, sl, ix + 4u * U * e, nb, yv[YE ? e : 0], sv[YE ? e : 0]);
-    }
     for (uint ib = ix; ib < nb; ib += 4 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
@@ -330,27 +307,22 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
             // P = 0: this round's loads; else those P rounds ahead, into the set used last
             q4K_load_round<NA + NB, U>(row, cb + 4u * U * P, nb, qoff, hd[(s + P) % (P + 1)],
                                        qa[(s + P) % (P + 1)], qb[(s + P) % (P + 1)]);
-            const int ys = YE ? s : 0;  // the activations' set: the weights' with YE, else the one
-            if (YE || P == 0)  // P = 0: loaded here either way
-                q4K_load_y<U, PREP>(yb - ix * 256, sl, cb + 4u * U * P, nb, yv[YE ? (s + P) % (P + 1) : 0],
-                                    sv[YE ? (s + P) % (P + 1) : 0]);
-            else
-                q4K_load_y<U, PREP>(yb - ix * 256, sl, cb, nb, yv[0], sv[0]);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (cb + 4u * u < nb) {  // not `break`: the loop must unroll, or hd/qa/qb go to local memory
                 // yl = values 64iq+8ir+{0..7} and +32; yh = the same +128; sumy[k] sums each run of 8
+                device const float4* y4 = (device const float4*)(yb + (cb - ix + 4u * u) * 256u);
                 float yl[16];
                 float yh[16];
+                const float4 v0 = y4[0], v1 = y4[1], v2 = y4[8], v3 = y4[9];
+                const float4 v4 = y4[32], v5 = y4[33], v6 = y4[40], v7 = y4[41];
                 for (int j = 0; j < 4; ++j) {
-                    yl[j] = yv[ys][u][0][j]; yl[j + 4] = yv[ys][u][1][j];
-                    yl[j + 8] = yv[ys][u][2][j]; yl[j + 12] = yv[ys][u][3][j];
-                    yh[j] = yv[ys][u][4][j]; yh[j + 4] = yv[ys][u][5][j];
-                    yh[j + 8] = yv[ys][u][6][j]; yh[j + 12] = yv[ys][u][7][j];
+                    yl[j] = v0[j]; yl[j + 4] = v1[j]; yl[j + 8] = v2[j]; yl[j + 12] = v3[j];
+                    yh[j] = v4[j]; yh[j + 4] = v5[j]; yh[j + 8] = v6[j]; yh[j + 12] = v7[j];
                 }
                 float4 sumy = {0.0f, 0.0f, 0.0f, 0.0f};
                 if (PREP) {
-                    sumy = sv[ys][u];
+                    sumy = *(device const float4*)(sy + (cb + 4u * u) * 32u + 4u * (4u * iq + ir));
                 } else {
                     for (int j = 0; j < 8; ++j) {
                         sumy[0] += yl[j];
@@ -508,13 +480,13 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 // The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K,
 // 2 Q6_K in the split form, whose d's follow all `rows` rows' bodies); HALVES, PREP, y and sy as
 // q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is).
-template <int TYPE, int NR0, int U, int P, int HALVES, int PREP, int YE>
+template <int TYPE, int NR0, int U, int P, int HALVES, int PREP>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
                       device const float* sy, uint tiisg, thread float* sumf) {
     const uint row_bytes = nb * (TYPE == 0 ? 144u : TYPE == 1 ? 210u : 208u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP, YE>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf);
+        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf);
     } else {
         device const half* ad = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)first_row * nb;
         q6K_lane_sums<NR0, 0, U, P, TYPE == 2 ? 1 : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg,
@@ -653,7 +625,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
-    row_sums<0, NR0, U, P, HALVES, 0, YE>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
+    row_sums<0, NR0, U, P, HALVES, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -669,7 +641,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     float sumf[NR0];
-    row_sums<1 + SPLIT, NR0, U, P, 0, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
+    row_sums<1 + SPLIT, NR0, U, P, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -706,12 +678,12 @@ MUSE_FN float lane_group_sum(float v) {
     float sumf[NR0];
     device const float* yt = y + (ulong)t * K;
     if (type == 0) {
-        row_sums<0, NR0, U, P, HALVES, PREP, YE>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
+        row_sums<0, NR0, U, P, HALVES, PREP>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
                                              PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
     } else if (type == 2 && (Y0 == 2 || Y1 == 2 || Y2 == 2 || Y3 == 2)) {  // compiled only if used
-        row_sums<2, NR0, U, P, 0, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
+        row_sums<2, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
     } else {
-        row_sums<1, NR0, U, P, 0, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
+        row_sums<1, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
     }
     const uint total_rows = R0 + R1 + R2 + R3;
     for (int r = 0; r < NR0; ++r) {
@@ -740,7 +712,7 @@ MUSE_FN float lane_group_sum(float v) {
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, YE>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
                                                     PREP ? ys + (ulong)t * K : yt,
                                                     PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
     } else {
@@ -845,7 +817,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint nb = K / 256;
     float sumf[2 * NR0];
     if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
-        row_sums<1, NR0, 1, 0, 0, 0, 0>(w, first_row, rows, nb, yt, yt, tiisg, sumf);
+        row_sums<1, NR0, 1, 0, 0, 0>(w, first_row, rows, nb, yt, yt, tiisg, sumf);
     } else {
         const uint row_bytes = nb * 144u;
         device const uchar* rp[2 * NR0];

@@ -257,28 +257,10 @@ _GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",),
 # faster. Metal: 0, since whether half subnormals survive there is unchecked (no Mac).
 Q4K_HALVES = {"cuda": {"q4_K": 2, "q4_K single": 1, "q4_K multi": 1}, "metal": 0}
 Q4K_KINDS = ("q4_K", "q4_K single", "q4_K multi")  # the GLU, the lone matvec, the multi kernel
-_KIND_SUFFIX = {"q4_K": "_GLU", "q4_K single": "_SINGLE", "q4_K multi": "_MULTI"}
-
-# Whether the Q4_K lanes of a kind load each round's activations (and run sums) with its weights,
-# P rounds early, into registers of their own (q4K_lane_sums's YE), rather than when the round
-# computes: 32 more registers a lane at P = 1. The bits are the same either way. Off everywhere
-# until the H200 says otherwise (twenty-first session).
-Q4K_Y_EARLY: dict = {}
-
-
-def _kind_setting(base: str, table: dict, which: str, kind: str, allowed: tuple[str, ...]) -> int:
-    """A per-kind Q4_K setting: ``{base}_GLU``, ``_SINGLE`` or ``_MULTI`` for ``kind``, else ``base``
-    for every kind, else ``table[which]`` (a number, or one per kind), else 0."""
-    if kind not in _KIND_SUFFIX:
-        raise ValueError(f"no Q4_K setting for kind {kind!r} (kinds: {', '.join(Q4K_KINDS)})")
-    for name in (base + _KIND_SUFFIX[kind], base):
-        env = os.environ.get(name)
-        if env is not None:
-            if env not in allowed:
-                raise ValueError(f"{name}={env!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
-            return int(env)
-    entry = table.get(which, 0)
-    return entry.get(kind, 0) if isinstance(entry, dict) else entry
+# The switches per kind: a kind's own, else the one for all of them.
+_HALVES_ENV = {"q4_K": ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES"),
+               "q4_K single": ("MUSE_MLX_Q4K_HALVES_SINGLE", "MUSE_MLX_Q4K_HALVES"),
+               "q4_K multi": ("MUSE_MLX_Q4K_HALVES_MULTI", "MUSE_MLX_Q4K_HALVES")}
 
 
 def _switch(name: str, default: bool | None) -> bool | None:
@@ -295,13 +277,16 @@ def q4K_halves(which: str, kind: str) -> int:
     """The nibble form of the Q4_K lanes of geometry kind ``kind`` (:data:`Q4K_KINDS`) on this
     backend (:data:`Q4K_HALVES`; 0 where it has none). ``MUSE_MLX_Q4K_HALVES=0|1|2`` overrides it
     for every kind, ``MUSE_MLX_Q4K_HALVES_GLU``, ``_SINGLE`` and ``_MULTI`` for one."""
-    return _kind_setting("MUSE_MLX_Q4K_HALVES", Q4K_HALVES, which, kind, ("0", "1", "2"))
-
-
-def q4K_y_early(which: str, kind: str) -> int:
-    """Whether the Q4_K lanes of kind ``kind`` load their activations early (:data:`Q4K_Y_EARLY`):
-    ``MUSE_MLX_Q4K_Y_EARLY=0|1`` for every kind, ``MUSE_MLX_Q4K_Y_EARLY_GLU``, ``_SINGLE``, ``_MULTI`` for one."""
-    return _kind_setting("MUSE_MLX_Q4K_Y_EARLY", Q4K_Y_EARLY, which, kind, ("0", "1"))
+    if kind not in _HALVES_ENV:
+        raise ValueError(f"no Q4_K nibble form for kind {kind!r} (kinds: {', '.join(Q4K_KINDS)})")
+    for name in _HALVES_ENV[kind]:
+        env = os.environ.get(name)
+        if env is not None:
+            if env not in ("0", "1", "2"):
+                raise ValueError(f"{name}={env!r}: expected 0, 1 or 2")
+            return int(env)
+    table = Q4K_HALVES.get(which, 0)
+    return table.get(kind, 0) if isinstance(table, dict) else table
 
 
 # Whether the pinned route holds its Q6_K matrices in the split form (quants.split_q6_K) for the
@@ -411,7 +396,7 @@ def _prep_inputs(prep, y: mx.array, which: str, kind: str) -> tuple[list[mx.arra
         return [constant(0, F32, at_least=8)] * 2, 0
     form = q4K_halves(which, kind)
     if not form:
-        raise ValueError(f"prepared Q4_K activations need a halves form (MUSE_MLX_Q4K_HALVES{_KIND_SUFFIX[kind]}=1 or 2)")
+        raise ValueError(f"prepared Q4_K activations need a halves form ({_HALVES_ENV[kind][0]}=1 or 2)")
     ys, sy, made_for = prep
     if made_for != form:  # else every product would be off by a power of two
         raise ValueError(f"activations prepared for nibble form {made_for} given to lanes of form {form} "
@@ -478,7 +463,7 @@ def _launch(kernel, y, w, which, geometry, kind, split=False):
     nr0, nsg, u, p = mv_geometry(geometry, which, kind)
     template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
     if qtype == "q4_K":
-        template += [("HALVES", q4K_halves(which, kind)), ("YE", q4K_y_early(which, kind))]
+        template.append(("HALVES", q4K_halves(which, kind)))
     else:
         template.append(("SPLIT", int(split)))
     (dst,) = kernel(
@@ -556,7 +541,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     mats, rows, kinds = _four_slots(weights)
     prepared, pre = _prep_inputs(prep, y, which, "q4_K multi")
     template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which, "q4_K multi")),
-                ("PREP", pre), ("YE", q4K_y_early(which, "q4_K multi"))]
+                ("PREP", pre)]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
@@ -589,7 +574,7 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
                   ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which, "q4_K")),
-                  ("PREP", pre), ("YE", q4K_y_early(which, "q4_K") if kind == "q4_K" else 0)], which=which, min_blocks=glu_min_blocks(which, nsg) if kind == "q4_K" else 0,
+                  ("PREP", pre)], which=which, min_blocks=glu_min_blocks(which, nsg) if kind == "q4_K" else 0,
     )
     return dst
 
