@@ -705,14 +705,21 @@ def record_one(fn, *a, **kw) -> dict:
 
 def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     """MUSE_MLX_GLU_WARPS bounds the Q4_K GLU only, as threadgroups per SM of its geometry, under a
-    name of its own (MLX caches a kernel by name), with the bound in front of MLX's signature."""
+    name of its own (MLX caches a kernel by name), with the bound in front of MLX's signature.
+    Unset, the bound is the table's for the GLU's nibble form (CUDA: 16 warps in form 2 only)."""
     y, q4, q6 = arr(1, 256), qrows(8, 256, "q4_K"), qrows(8, 256, "q6_K")
     recorded = lambda *a, **kw: record_one(K.mul_mv_glu, *a, **kw)  # noqa: E731
 
     monkeypatch.delenv("MUSE_MLX_GLU_WARPS", raising=False)
-    for table, blocks in (({"cuda": 0}, 0), ({"cuda": 16}, 8)):  # unset: the per-backend table
+    assert [mul_mv.glu_min_blocks("cuda", 2, form) for form in (0, 1, 2)] == [0, 0, 8]
+    for table, blocks in (({"cuda": {}}, 0), ({"cuda": {1: 16}}, 8)):  # unset: the per-backend table
         monkeypatch.setattr(mul_mv, "GLU_WARPS", table)
-        assert mul_mv.glu_min_blocks("cuda", 2) == mul_mv.glu_min_blocks("record", 2) == blocks
+        assert mul_mv.glu_min_blocks("cuda", 2, 1) == mul_mv.glu_min_blocks("record", 2, 1) == blocks
+    monkeypatch.undo()
+    for form, bounds in (("2", (64, 8)), ("1", None)):  # the GLU's form picks the default bound
+        monkeypatch.setenv("MUSE_MLX_Q4K_HALVES_GLU", form)
+        assert recorded(y, q4, q4, "q4_K", geometry="2x2x1x1")["bounds"] == bounds
+    monkeypatch.delenv("MUSE_MLX_Q4K_HALVES_GLU")
     monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "16")
     c = recorded(y, q4, q4, "q4_K", geometry="2x2x1x1")
     assert c["bounds"] == (64, 8)
@@ -721,11 +728,11 @@ def test_glu_warps_switch_sets_launch_bounds(monkeypatch):
     assert bound < src.index("__global__ void custom_kernel_mul_mv_glu_f32_lb64x8(")
     assert recorded(y, q4, q4, "q4_K", geometry="2x4x1x1")["bounds"] == (128, 4)
     assert recorded(y, q6, q6, "q6_K")["bounds"] is None  # the Q6_K GLU already fits 20 warps
-    assert mul_mv.glu_min_blocks("metal", 2) == mul_mv.glu_min_blocks("cpu", 2) == 0
+    assert mul_mv.glu_min_blocks("metal", 2, 2) == mul_mv.glu_min_blocks("cpu", 2, 2) == 0
     for bad in ("3", "80", "sixteen", "-2"):
         monkeypatch.setenv("MUSE_MLX_GLU_WARPS", bad)
         with pytest.raises(ValueError, match="MUSE_MLX_GLU_WARPS"):
-            mul_mv.glu_min_blocks("cuda", 2)
+            mul_mv.glu_min_blocks("cuda", 2, 2)
     monkeypatch.setenv("MUSE_MLX_GLU_WARPS", "0")
     c = recorded(y, q4, q4, "q4_K")
     src = Kernel.recorded_source(c)

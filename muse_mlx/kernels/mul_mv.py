@@ -305,13 +305,13 @@ def q6K_split(which: str) -> bool:
 
 
 # Resident warps per SM that the exact Q4_K GLU is compiled for on CUDA (``__launch_bounds__``;
-# 0 leaves ptxas its own choice). It holds 158-165 registers, so 12 warps per SM fit; bounded for
-# 16 it fits 128 (no spill in the halves form, 28 bytes in the prepared one: kernel_sass.py, NVRTC
-# 13.5). The arithmetic is the same instructions either way, so the bits are too. Traced on the
-# H200 (thirteenth session, docs/performance.md): 16 warps lose in the prepared form that CUDA runs
-# (63.4-63.5 against 61.5-62.1 us) and win only in the spill-free unprepared one (62.4 against
-# 64.6-65.0 us), which is no faster than the prepared form unbounded. So none.
-GLU_WARPS = {"cuda": 0}
+# 0 leaves ptxas its own choice), per nibble form of the GLU. It holds 153-165 registers, so 12
+# warps per SM fit; bounded for 16 it fits 128. The arithmetic is the same instructions either way,
+# so the bits are too. Form 1 spills 28 bytes prepared (kernel_sass.py, NVRTC 13.5), and on the
+# H200 16 warps lost there (thirteenth session: 63.4-63.5 against 61.5-62.1 us; twenty-first:
+# 64.2-64.5 against 61.1-61.9). Form 2 fits 128 with no spill, and 16 warps win (twenty-first
+# session, docs/performance.md: 57.6-58.0 against 58.8-59.1 us, 0.06 ms a token).
+GLU_WARPS = {"cuda": {2: 16}}
 
 
 def _bounded_warps(which: str, nsg: int, default: int, var: str, what: str) -> int:
@@ -329,10 +329,12 @@ def _bounded_warps(which: str, nsg: int, default: int, var: str, what: str) -> i
     return int(env)
 
 
-def glu_min_blocks(which: str, nsg: int) -> int:
-    """Threadgroups of ``nsg`` SIMD groups per SM the Q4_K GLU is bounded for (:data:`GLU_WARPS`):
-    ``MUSE_MLX_GLU_WARPS=N`` overrides it (N a multiple of ``nsg``, at most 64; 0 for none)."""
-    return _bounded_warps(which, nsg, GLU_WARPS.get("cuda", 0), "MUSE_MLX_GLU_WARPS", "the GLU") // nsg
+def glu_min_blocks(which: str, nsg: int, form: int) -> int:
+    """Threadgroups of ``nsg`` SIMD groups per SM the Q4_K GLU of nibble form ``form`` is bounded for
+    (:data:`GLU_WARPS`): ``MUSE_MLX_GLU_WARPS=N`` overrides it (N a multiple of ``nsg``, at most 64;
+    0 for none)."""
+    default = GLU_WARPS.get("cuda", {}).get(form, 0)
+    return _bounded_warps(which, nsg, default, "MUSE_MLX_GLU_WARPS", "the GLU") // nsg
 
 
 # Resident warps per SM the vocabulary head is compiled for on CUDA at its tuned geometry
@@ -569,12 +571,13 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
     y, T = _tokens(y, K)
     nr0, nsg, u, p = mv_geometry(geometry, which, "q6_K" if kind == "q6_K_split" else kind)
     prepared, pre = _prep_inputs(prep, y, which, "q4_K")
+    form = q4K_halves(which, "q4_K")
     (dst,) = _GLU(
         [w_gate, w_up, y] + prepared, [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
-                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which, "q4_K")),
-                  ("PREP", pre)], which=which, min_blocks=glu_min_blocks(which, nsg) if kind == "q4_K" else 0,
+                  ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", form),
+                  ("PREP", pre)], which=which, min_blocks=glu_min_blocks(which, nsg, form) if kind == "q4_K" else 0,
     )
     return dst
 
