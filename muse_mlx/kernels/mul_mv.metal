@@ -253,15 +253,22 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
-// yl, yh as q4K_block<HALVES> takes them: HALVES = 1, even values x 2^24, odd x 2^32 (exact,
-// powers of two, for |y| < 2^96; beyond, the odd ones overflow where ggml's products would not);
-// HALVES = 2, x 2^48 and x 2^56 (exact for |y| < 2^72).
+// The powers of two q4K_block<HALVES> needs an activation at an even (odd = 0) or odd position
+// scaled by: HALVES = 1, 2^24 and 2^32 (exact for |y| < 2^96; beyond, the odd ones overflow where
+// ggml's products would not); HALVES = 2, 2^48 and 2^56 (exact for |y| < 2^72). Its run sums: 1,
+// and 2^24. The lanes (q4K_scale_y) and the tail that prepares their input (tail_q4) both use these.
+template <int HALVES>
+MUSE_FN float q4K_y_factor(uint odd) {
+    return HALVES == 2 ? (odd ? 72057594037927936.0f : 281474976710656.0f) : (odd ? 4294967296.0f : 16777216.0f);
+}
+template <int HALVES>
+MUSE_FN float q4K_sum_factor() { return HALVES == 2 ? 16777216.0f : 1.0f; }
+
+// yl, yh as q4K_block<HALVES> takes them (q4K_y_factor).
 template <int HALVES>
 MUSE_FN void q4K_scale_y(thread float* yl, thread float* yh) {
-    const float even = HALVES == 2 ? 281474976710656.0f : 16777216.0f;
-    const float odd = HALVES == 2 ? 72057594037927936.0f : 4294967296.0f;
     for (int j = 0; j < 16; ++j) {
-        const float f = (j & 1) ? odd : even;
+        const float f = q4K_y_factor<HALVES>(uint(j & 1));
         yl[j] *= f;
         yh[j] *= f;
     }
@@ -332,7 +339,7 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
                     }
                     if (HALVES) q4K_scale_y<HALVES>(yl, yh);
                     if (HALVES == 2)
-                        for (int k = 0; k < 4; ++k) sumy[k] *= 16777216.0f;
+                        for (int k = 0; k < 4; ++k) sumy[k] *= q4K_sum_factor<HALVES>();
                 }
                 for (int r = 0; r < NA + NB; ++r)
                     sumf[r] += q4K_block<HALVES>(hd[s][u][r], qa[s][u][r], qb[s][u][r], iq, yl, yh, sumy, magic, sel);

@@ -168,9 +168,9 @@
 // ==== part: tail_q4
 // Appended to the exact tail's body (kernel fused_norm_residual_rms_norm_batch_dual_eps_q4), so
 // that the tail also writes its output in the form the Q4_K matvecs after it read with PREP = 1
-// (q4K_lane_sums): ys, the values scaled as q4K_scale_y<HALVES> scales them (HALVES = 1: even x
-// 2^24, odd x 2^32; 2: x 2^48, x 2^56; exact, powers of two), and sy, every run of 8 values summed
-// as ggml's lanes sum them (from 0.0f, in order; HALVES = 2: then x 2^24), at
+// (q4K_lane_sums): ys, the values scaled as q4K_scale_y<HALVES> scales them (q4K_y_factor: exact,
+// powers of two), and sy, every run of 8 values summed as ggml's lanes sum them (from 0.0f, in
+// order), then times q4K_sum_factor (1 for HALVES = 1), at
 // sy[32*block + 4*(4*iq + ir) + k] for the run at 64*iq + 8*ir + 32*(k%2) +
 // 128*(k/2) of its block of 256. A run is the float4s 2j and 2j+1, held by neighbouring threads
 // (NTH is even), so the even one adds its partner's four values after its own. Each thread takes
@@ -185,8 +185,7 @@
         float4 other;
         for (int e = 0; e < 4; ++e) other[e] = simd_shuffle_xor(o[e], 1u);
         if (live) {
-            const float even = HALVES == 2 ? 281474976710656.0f : 16777216.0f;
-            const float odd = HALVES == 2 ? 72057594037927936.0f : 4294967296.0f;
+            const float even = q4K_y_factor<HALVES>(0u), odd = q4K_y_factor<HALVES>(1u);
             const float4 f = {even, odd, even, odd};
             ((device float4*)ys)[row * n4 + i] = o * f;
             if ((i & 1u) == 0u) {
@@ -195,7 +194,7 @@
                 for (int e = 0; e < 4; ++e) run += other[e];
                 const uint j = i / 2u, at = 8u * (j % 32u);  // the run's offset in its block
                 const uint slot = 4u * (4u * ((at >> 6) & 1u) + ((at >> 3) & 3u)) + 2u * (at >> 7) + ((at >> 5) & 1u);
-                sy[row * (N / 8) + 32u * (j / 32u) + slot] = HALVES == 2 ? run * 16777216.0f : run;
+                sy[row * (N / 8) + 32u * (j / 32u) + slot] = run * q4K_sum_factor<HALVES>();
             }
         }
     }

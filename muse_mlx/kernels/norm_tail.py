@@ -63,7 +63,7 @@ _DUAL_EPS_Q8 = Kernel(
 _DUAL_EPS_Q4 = Kernel(
     "norm_tail", "fused_norm_residual_rms_norm_batch_dual_eps_q4",
     ["hidden", "src", "weight1", "weight2", "eps1", "eps2"], ["hidden_out", "output", "ys", "sy"],
-    parts=("fused_norm_residual_rms_norm_batch_dual_eps", "tail_q4"),
+    parts=("fused_norm_residual_rms_norm_batch_dual_eps", "tail_q4"), uses=("mul_mv",),  # the lanes' factors
 )
 _32SG = Kernel(
     "norm_tail", "fused_norm_residual_rms_norm_32sg",
