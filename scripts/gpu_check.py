@@ -665,6 +665,45 @@ def check_kind_geometries(rng, quick):
             compare(f"decode {var}={geometry} == tuned", "tiny muse-glimmer, 16 tokens", got, base)
 
 
+def check_q4_stages(rng, quick):
+    """The exact Q4_K lanes with their weights staged in threadgroup memory (MUSE_MLX_Q4K_STAGES_*=2,
+    3, 4: asynchronous copies on NVIDIA) against the same calls with the register loads (S = 0): the
+    lone kernel, the multi kernel and the GLU, all rows, edge activations, plain and prepared; then a
+    tiny model's decode with every kind staged against the default decode. Where the bytes come from
+    must not move a bit."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
+    prep = {kind: prepared(x, kind) for kind in ("q4_K", "q4_K multi")}
+    mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
+    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    calls = {"MUSE_MLX_Q4K_STAGES_SINGLE": [
+                 (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda: K.mul_mv_q4_K(h, down)),
+                 (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda: K.mul_mv_q4_K(a, attn_out))],
+             "MUSE_MLX_Q4K_STAGES_MULTI": [
+                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda: K.mul_mv_multi(x, mats)),
+                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
+                  lambda: K.mul_mv_multi(x, mats, prep=prep["q4_K multi"]))],
+             "MUSE_MLX_Q4K_STAGES_GLU": [
+                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda: K.mul_mv_glu(x, wg, wu, "q4_K")),
+                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared", lambda: K.mul_mv_glu(x, wg, wu, "q4_K", prep=prep["q4_K"]))]}
+    for var, named in calls.items():
+        for name, call in named:
+            with env(var, "0"):
+                want = gpu(call)
+            for stages in ("2", "3", "4"):
+                with env(var, stages):
+                    got = gpu(call)
+                compare(f"{name} S={stages} == registers", "edge y", got, want, note=f"{var}, all rows")
+    model, tokens = tiny_model(rng, 24)
+    with env("MUSE_MLX_Q4K_STAGES", "0"):
+        base = tiny_decode(model, tokens)
+    for stages in ("2", "3", "4"):
+        with env("MUSE_MLX_Q4K_STAGES", stages):
+            got = tiny_decode(model, tokens)
+        compare(f"decode MUSE_MLX_Q4K_STAGES={stages} == registers", "tiny muse-glimmer, 16 tokens", got, base)
+
+
 def check_head_warps(rng, quick):
     """The vocabulary head at its tuned geometry, compiled with its launch bounds (HEAD_WARPS: the
     occupancy it was tuned at) and without (MUSE_MLX_HEAD_WARPS=0), each against the oracle: the
@@ -767,7 +806,7 @@ def transcendental_ulps(rng, quick=False):
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
                 glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps,
-                kind_geometries=check_kind_geometries, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
+                kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

@@ -276,6 +276,7 @@ typedef unsigned char uchar;
 typedef uint64_t ulong;  // Metal's ulong is 64-bit
 typedef _Float16 half;   // IEEE binary16; float <-> half conversions round to nearest even
 #define MUSE_FN inline
+#define MUSE_TG  // a threadgroup pointer (Metal's `threadgroup T*`): threadgroup memory is static here
 
 // Vector types with CUDA's alignment (a misaligned vector load faults there, and may here).
 struct alignas(8) uint2 {
@@ -369,6 +370,10 @@ constexpr int mem_none = 0, mem_device = 1, mem_threadgroup = 2;
 }
 // std::barrier orders all memory, device and threadgroup alike, so the flags need no cases.
 inline void threadgroup_barrier(int) { muse_emu_threadgroup_barrier(); }
+
+// simdgroup_barrier: the SIMD group's lanes all arrive before any goes on (an exchange is a real
+// barrier among them, which also orders their memory accesses).
+inline void simdgroup_barrier(int) { muse_emu_exchange(0u, 0u); }
 
 // SIMD operations: real exchanges among the 32 lanes (the runtime checks all took part).
 template <class T>

@@ -645,6 +645,50 @@ def test_prepared_activations_give_ggml_bits(form, geometry, monkeypatch):
                           want)
 
 
+@emulator
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
+@pytest.mark.parametrize("form", [0, 2])
+def test_staged_q4_K_loads_give_ggml_bits(stages, form, monkeypatch):
+    """S > 0 (each round's weights copied into threadgroup memory S - 1 rounds ahead, the copies
+    spread over the SIMD group's lanes, each lane then reading its words from there): rows of 3,
+    13 and 19 blocks, so the last round holds one to four blocks and the slots wrap at every
+    point; the lone kernel, the multi kernel (whose Q6_K rows keep their P = 1 register loads) and
+    the GLU, plain and prepared, with edge activations."""
+    monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", str(form))
+    monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", stages)
+    for k, geometry in ((768, "2x2x1x1"), (3328, "3x2"), (4864, "1x4x1x2")):
+        y, w = edge_activations(2, k, form), qrows(7, k, "q4_K")
+        assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w, geometry=geometry), mul_mv.mul_mv_q4_K_oracle(y, w))
+        ws = [(w, "q4_K"), (qrows(3, k, "q6_K"), "q6_K"), (qrows(5, k, "q4_K"), "q4_K")]
+        want = mx.concatenate([mul_mv.ORACLES[kd](y, m) for m, kd in ws], axis=-1)
+        prep = mul_mv.q4_K_prepared(y, form) if form else None
+        assert_bits_equal(emulate_recorded(K.mul_mv_multi, y, ws, geometry=geometry, prep=prep), want)
+        u = qrows(7, k, "q4_K")
+        want = ffn.silu_oracle(mul_mv.mul_mv_q4_K_oracle(y, w), mul_mv.mul_mv_q4_K_oracle(y, u), exp=libm("expf"))
+        assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, w, u, "q4_K", "silu", geometry=geometry, prep=prep), want)
+
+
+def test_staged_q4_K_loads_are_checked(monkeypatch):
+    """Staging is per kind (a kind's own variable wins over the one for all), takes 2 to 4 rounds,
+    and only one block of loads a round; the recorded launch carries S."""
+    geometry = (2, 2, 1, 1)
+    assert all(mul_mv.q4K_stages("cuda", kind, geometry) == mul_mv.Q4K_STAGES["cuda"][kind]
+               for kind in mul_mv.Q4K_KINDS)
+    assert mul_mv.q4K_stages("metal", "q4_K", geometry) == 0
+    monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", "3")
+    monkeypatch.setenv("MUSE_MLX_Q4K_STAGES_GLU", "0")
+    assert [mul_mv.q4K_stages("cuda", kind, geometry) for kind in mul_mv.Q4K_KINDS] == [0, 3, 3]
+    y, w = arr(1, 256), qrows(4, 256, "q4_K")
+    K.mul_mv_q4_K(y, w, which="record")
+    assert dict(Kernel.recorded.pop()["template"])["S"] == 3
+    with pytest.raises(ValueError, match=r"one block of loads a round, not U=2 \(geometry 2x2x2x0\)"):
+        K.mul_mv_q4_K(y, w, which="record", geometry="2x2x2")
+    monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", "1")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q4K_STAGES='1': expected 0 .* or 2, 3 or 4"):
+        K.mul_mv_q4_K(y, w, which="record")
+    Kernel.recorded.clear()
+
+
 def test_prepared_activations_are_checked(monkeypatch):
     y, w = arr(1, 256), qrows(4, 256, "q6_K")
     with pytest.raises(ValueError, match="for Q4_K matrices"):

@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 HERE = Path(__file__).parent
-METAL_PRELUDE = "#define MUSE_FN inline\n"
+METAL_PRELUDE = "#define MUSE_FN inline\n#define MUSE_TG threadgroup\n"
 _MARK = re.compile(r"^// ==== (header|(?:kernel|part): (\w+))\s*$", re.M)
 # Metal address spaces -> CUDA: global and private memory need no word, threadgroup memory is
 # __shared__, and file-scope `constant` values become constexpr (see prelude.cuh).

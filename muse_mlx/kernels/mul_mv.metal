@@ -62,6 +62,33 @@ MUSE_FN int dot4_i8(uint a, int b, int c) {
 #endif
 }
 
+// Copies of 16 bytes from device into threadgroup memory that a SIMD group issues now and uses
+// later (the staged Q4_K loads, q4K_stage_round). On NVIDIA an asynchronous copy (cp.async, sm_80
+// and later): no register holds the bytes while they are in flight, stage_commit closes a group of
+// them and stage_wait<N> waits until at most N groups are still in flight (this thread's copies;
+// the other lanes' need a simdgroup_barrier after it). Elsewhere a plain copy, done at once.
+MUSE_FN void stage_copy16(MUSE_TG uint4* dst, device const uint4* src) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint)__cvta_generic_to_shared(dst)), "l"(src)
+                 : "memory");
+#else
+    *dst = *src;
+#endif
+}
+
+MUSE_FN void stage_commit() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+MUSE_FN void stage_wait() {
+#if defined(__CUDA_ARCH__)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // The lane's eight scales and mins of a Q4_K block as floats, in the order q4K_block uses them:
 // the scales of sub-blocks 2iq, 2iq+1, 2iq+4, 2iq+5, then their mins (ggml's get_scale_min_k4).
 // HALVES < 2: the values themselves (the 2^23 pattern); ggml reads the strip as ushorts sc[0],
@@ -253,6 +280,43 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
+// The staged form of a round's weight loads (q4K_lane_sums with S > 0; U = 1, P = 0). A round of
+// a SIMD group reads blocks 4i .. 4i+3 of each of its NR rows: 576 contiguous bytes a row, which
+// the group copies into threadgroup memory S - 1 rounds ahead (36 NR copies of 16 bytes, spread
+// over the lanes: `src[k]` is lane-chunk k's first address, `blk[k]` its block within a round),
+// one of S slots of 36 NR uint4 each in turn. Round i then waits for its own slot, reads the
+// lane's header and quant runs from it into hd/qa/qb (the same words the register loads read),
+// and copies round i + S - 1 into the slot round i - 1 read, which every lane has finished with
+// (the barrier). Blocks past the row's end are not copied, and not used.
+template <int NR, int S>
+MUSE_FN void q4K_stage_copies(device const uchar* thread const* src, thread const uint* blk, uint tiisg, uint round,
+                              uint nb, MUSE_TG uint4* slot) {
+    constexpr int CH = 36 * NR;
+    for (int k = 0; k < (CH + 31) / 32; ++k) {
+        const uint c = tiisg + 32u * k;
+        if ((k + 1) * 32 <= CH || c < uint(CH))
+            if (4u * round + blk[k] < nb) stage_copy16(slot + c, (device const uint4*)(src[k] + (ulong)round * 576u));
+    }
+    stage_commit();
+}
+
+template <int NR, int S>
+MUSE_FN void q4K_stage_round(device const uchar* thread const* src, thread const uint* blk, uint tiisg, uint ix,
+                             uint qoff, uint round, uint nb, MUSE_TG uint4* stage, thread uint4* hd,
+                             thread uint2* qa, thread uint2* qb) {
+    constexpr int CH = 36 * NR;
+    stage_wait<S - 2>();                            // this lane's copies of round `round` have landed
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // and every lane's
+    MUSE_TG const uchar* cur = (MUSE_TG const uchar*)(stage + (round % S) * CH);
+    for (int r = 0; r < NR; ++r) {
+        MUSE_TG const uchar* b = cur + 576u * r + 144u * ix;
+        hd[r] = *(MUSE_TG const uint4*)b;
+        qa[r] = *(MUSE_TG const uint2*)(b + qoff);
+        qb[r] = *(MUSE_TG const uint2*)(b + qoff + 64u);
+    }
+    q4K_stage_copies<NR, S>(src, blk, tiisg, round + S - 1, nb, stage + ((round + S - 1) % S) * CH);
+}
+
 // The powers of two q4K_block<HALVES> needs an activation at an even (odd = 0) or odd position
 // scaled by: HALVES = 1, 2^24 and 2^32 (exact for |y| < 2^96; beyond, the odd ones overflow where
 // ggml's products would not); HALVES = 2, 2^48 and 2^56 (exact for |y| < 2^72). Its run sums: 1,
@@ -285,10 +349,14 @@ MUSE_FN void q4K_scale_y(thread float* yl, thread float* yh) {
 // y holds the activations already scaled as q4K_scale_y<HALVES> scales them and sy their run sums
 // (HALVES = 2: times 2^24), as the tail that made them writes them (tail_q4: sy[32*block +
 // 4*(4*iq + ir) + k] is the lane's sumy[k]), so neither is computed here; the bits are the same.
-template <int NA, int NB, int U, int P, int HALVES, int PREP>
+// S > 0 (U = 1; PP unused): the weights come through S slots of threadgroup memory `stage`, S - 1
+// rounds ahead (q4K_stage_round), instead of registers; the same words, so the same bits.
+template <int NA, int NB, int U, int PP, int HALVES, int PREP, int S>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, device const float* sy,
-                           uint tiisg, thread float* sumf) {
+                           uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
+    constexpr int P = S ? 0 : PP;  // staged: no register loads ahead
+    static_assert(S == 0 || U == 1, "staged Q4_K loads take one block a round");
     const uint ix = tiisg / 8;   // lane = 8*ix + 4*iq + ir
     const uint iq = (tiisg % 8) / 4;
     const uint ir = tiisg % 4;
@@ -304,16 +372,36 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     uint4 hd[P + 1][U][NA + NB];
     uint2 qa[P + 1][U][NA + NB];
     uint2 qb[P + 1][U][NA + NB];
+    // S > 0: the first S - 1 rounds' copies (q4K_stage_round); every lane runs ceil(nb/4) rounds,
+    // those past its last block too, since the copies and barriers are the SIMD group's
+    device const uchar* src[S ? (36 * (NA + NB) + 31) / 32 : 1];
+    uint blk[S ? (36 * (NA + NB) + 31) / 32 : 1];
+    if (S) {
+        for (int k = 0; k < (36 * (NA + NB) + 31) / 32; ++k) {
+            const uint c = min(tiisg + 32u * k, uint(36 * (NA + NB) - 1));
+            src[k] = row[0];
+            for (int r = 1; r < NA + NB; ++r)  // row[c / 36] (a constant index: row[] stays in registers)
+                if (c / 36 == uint(r)) src[k] = row[r];
+            src[k] += 16u * (c % 36);
+            blk[k] = (c % 36) / 9;
+        }
+        for (int e = 0; e + 1 < S; ++e)
+            q4K_stage_copies<NA + NB, S>(src, blk, tiisg, uint(e), nb, stage + e * 36 * (NA + NB));
+    }
     for (int e = 0; e < P; ++e)  // the first P rounds' loads
         q4K_load_round<NA + NB, U>(row, ix + 4u * U * e, nb, qoff, hd[e], qa[e], qb[e]);
-    for (uint ib = ix; ib < nb; ib += 4 * U * (P + 1)) {
+    for (uint ib = ix; (S ? ib - ix : ib) < nb; ib += 4 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
             const uint cb = ib + 4u * U * s;
             if (s == 0 || cb < nb) {  // not `break`: s must stay a constant (see below)
             // P = 0: this round's loads; else those P rounds ahead, into the set used last
-            q4K_load_round<NA + NB, U>(row, cb + 4u * U * P, nb, qoff, hd[(s + P) % (P + 1)],
-                                       qa[(s + P) % (P + 1)], qb[(s + P) % (P + 1)]);
+            if (S)
+                q4K_stage_round<NA + NB, S>(src, blk, tiisg, ix, qoff, (cb - ix) / 4u, nb, stage, hd[0][0], qa[0][0],
+                                            qb[0][0]);
+            else
+                q4K_load_round<NA + NB, U>(row, cb + 4u * U * P, nb, qoff, hd[(s + P) % (P + 1)],
+                                           qa[(s + P) % (P + 1)], qb[(s + P) % (P + 1)]);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (cb + 4u * u < nb) {  // not `break`: the loop must unroll, or hd/qa/qb go to local memory
@@ -486,14 +574,16 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 
 // The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K,
 // 2 Q6_K in the split form, whose d's follow all `rows` rows' bodies); HALVES, PREP, y and sy as
-// q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is).
-template <int TYPE, int NR0, int U, int P, int HALVES, int PREP>
+// q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is); S and `stage` too (Q4_K only: the
+// SIMD group's S * 36 * NR0 uint4 of threadgroup memory when S > 0).
+template <int TYPE, int NR0, int U, int P, int HALVES, int PREP, int S>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
-                      device const float* sy, uint tiisg, thread float* sumf) {
+                      device const float* sy, uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
     const uint row_bytes = nb * (TYPE == 0 ? 144u : TYPE == 1 ? 210u : 208u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf);
+        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP, S>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf,
+                                                     stage);
     } else {
         device const half* ad = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)first_row * nb;
         q6K_lane_sums<NR0, 0, U, P, TYPE == 2 ? 1 : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg,
@@ -625,14 +715,17 @@ MUSE_FN float lane_group_sum(float v) {
 // inputs: w [ROWS, K/256*144] (uint8), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
 // U blocks of loads per row in a round, each round's loads issued P rounds early; HALVES: the
-// nibbles' float form (q4K_block)
+// nibbles' float form (q4K_block); S > 0: the weights staged in threadgroup memory instead, S - 1
+// rounds ahead (q4K_stage_round; U = 1, P = 0)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
+    threadgroup uint4 stage[NSG * (S ? S : 1) * 36 * NR0];
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
-    row_sums<0, NR0, U, P, HALVES, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
+    row_sums<0, NR0, U, P, HALVES, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
+                                         stage + sgitg * (S ? S : 1) * 36 * NR0);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -647,8 +740,9 @@ MUSE_FN float lane_group_sum(float v) {
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
+    threadgroup uint4 stage[1];  // unused: Q6_K lanes load into registers
     float sumf[NR0];
-    row_sums<1 + SPLIT, NR0, U, P, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf);
+    row_sums<1 + SPLIT, NR0, U, P, 0, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf, stage);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -659,7 +753,8 @@ MUSE_FN float lane_group_sum(float v) {
 // dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
 // kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
 // Templates: R0..R3 rows (0 = absent), Y0..Y3 types (0 Q4_K, 1 Q6_K, 2 Q6_K split), K, NR0, NSG, U, P, HALVES,
-// PREP (q4K_lane_sums: with PREP the Q4_K matrices read ys and sy, the Q6_K ones y).
+// PREP (q4K_lane_sums: with PREP the Q4_K matrices read ys and sy, the Q6_K ones y), S (the Q4_K
+// matrices' staged loads, as for mul_mv_q4_K_f32; the Q6_K ones load into registers).
 // inputs: w0..w3 (absent ones: a placeholder, never read), y [T, K], ys [T, K] and sy [T, K/8]
 // (placeholders without PREP); outputs: dst [T, R0+R1+R2+R3]
 // grid (sum_i ceil(Ri/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
@@ -680,17 +775,19 @@ MUSE_FN float lane_group_sum(float v) {
     } else if (tg >= g0) {
         tg -= g0; w = w1; rows = R1; out0 = R0; type = Y1;
     }
+    threadgroup uint4 stage[NSG * (S ? S : 1) * 36 * NR0];
+    MUSE_TG uint4* own = stage + sgitg * (S ? S : 1) * 36 * NR0;
     const uint first_row = (tg * NSG + sgitg) * NR0;
     if (first_row >= rows) return;
     float sumf[NR0];
     device const float* yt = y + (ulong)t * K;
     if (type == 0) {
-        row_sums<0, NR0, U, P, HALVES, PREP>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
-                                             PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
+        row_sums<0, NR0, U, P, HALVES, PREP, S>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
+                                                PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf, own);
     } else if (type == 2 && (Y0 == 2 || Y1 == 2 || Y2 == 2 || Y3 == 2)) {  // compiled only if used
-        row_sums<2, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
+        row_sums<2, NR0, U, P, 0, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf, own);
     } else {
-        row_sums<1, NR0, U, P, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf);
+        row_sums<1, NR0, U, P, 0, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf, own);
     }
     const uint total_rows = R0 + R1 + R2 + R3;
     for (int r = 0; r < NR0; ++r) {
@@ -703,13 +800,14 @@ MUSE_FN float lane_group_sum(float v) {
 // NR0 rows of the gate matrix and the same NR0 rows of the up matrix exactly as mul_mv does
 // (sharing the activation loads), then writes apply_activation<ACT>(gate, up) -- the formula of
 // silu_mul_inplace / gelu_mul_inplace. TYPE 0 Q4_K, 1 Q6_K, 2 Q6_K split (both matrices the same).
-// HALVES, PREP: as for mul_mv_multi_f32 (Q4_K only).
+// HALVES, PREP, S: as for mul_mv_multi_f32 (Q4_K only).
 // inputs: wg, wu [ROWS, K/256*bytes] (uint8), y [T, K], ys [T, K], sy [T, K/8] (placeholders
 // without PREP); outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
+    threadgroup uint4 stage[NSG * (S ? S : 1) * 72 * NR0];  // S: the 2 NR0 rows' staged weights
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     const uint nb = K / 256;
@@ -719,9 +817,10 @@ MUSE_FN float lane_group_sum(float v) {
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
-                                                    PREP ? ys + (ulong)t * K : yt,
-                                                    PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf);
+        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, S>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+                                                       PREP ? ys + (ulong)t * K : yt,
+                                                       PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf,
+                                                       stage + sgitg * (S ? S : 1) * 72 * NR0);
     } else {
         // split (TYPE 2): each matrix's d's follow its ROWS rows' bodies
         device const half* gd = (device const half*)(wg + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
@@ -824,7 +923,8 @@ MUSE_FN float lane_group_sum(float v) {
     const uint nb = K / 256;
     float sumf[2 * NR0];
     if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
-        row_sums<1, NR0, 1, 0, 0, 0>(w, first_row, rows, nb, yt, yt, tiisg, sumf);
+        threadgroup uint4 stage[1];  // unused: Q6_K lanes load into registers
+        row_sums<1, NR0, 1, 0, 0, 0, 0>(w, first_row, rows, nb, yt, yt, tiisg, sumf, stage);
     } else {
         const uint row_bytes = nb * 144u;
         device const uchar* rp[2 * NR0];

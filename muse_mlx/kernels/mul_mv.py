@@ -263,6 +263,38 @@ _HALVES_ENV = {"q4_K": ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES"),
                "q4_K multi": ("MUSE_MLX_Q4K_HALVES_MULTI", "MUSE_MLX_Q4K_HALVES")}
 
 
+# How many rounds of weights the exact Q4_K lanes of each geometry kind stage in threadgroup
+# memory (q4K_stage_round; S, 0 = none: each round's loads go to registers, P rounds early). With
+# S > 0 a SIMD group copies the next S - 1 rounds' blocks (576 bytes a row each) into threadgroup
+# memory, on NVIDIA with asynchronous copies that hold no registers, and each lane reads its words
+# from there: the same words, so the same bits. It needs U = 1 and leaves P unused. Unmeasured on
+# the H200 when written (twenty-second session), so off everywhere until timed.
+Q4K_STAGES = {"cuda": {"q4_K": 0, "q4_K single": 0, "q4_K multi": 0}}
+_STAGES_ENV = {"q4_K": ("MUSE_MLX_Q4K_STAGES_GLU", "MUSE_MLX_Q4K_STAGES"),
+               "q4_K single": ("MUSE_MLX_Q4K_STAGES_SINGLE", "MUSE_MLX_Q4K_STAGES"),
+               "q4_K multi": ("MUSE_MLX_Q4K_STAGES_MULTI", "MUSE_MLX_Q4K_STAGES")}
+
+
+def q4K_stages(which: str, kind: str, geometry: tuple[int, int, int, int]) -> int:
+    """The rounds of weights the Q4_K lanes of geometry kind ``kind``, launched at ``geometry`` (NR0,
+    NSG, U, P), stage in threadgroup memory on this backend (:data:`Q4K_STAGES`; 0 for none; when
+    staged, their P is unused: a Q6_K matrix of the same multi call keeps it).
+    ``MUSE_MLX_Q4K_STAGES=S`` (0, or 2 to 4) overrides it for every kind, ``MUSE_MLX_Q4K_STAGES_GLU``,
+    ``_SINGLE``, ``_MULTI`` for one."""
+    stages = Q4K_STAGES.get(which, {}).get(kind, 0)
+    for name in _STAGES_ENV[kind]:
+        env = os.environ.get(name)
+        if env is not None:
+            if env not in ("0", "2", "3", "4"):
+                raise ValueError(f"{name}={env!r}: expected 0 (no staging) or 2, 3 or 4 rounds")
+            stages = int(env)
+            break
+    if stages and geometry[2] != 1:
+        raise ValueError(f"staged Q4_K loads ({kind!r}, S={stages}) take one block of loads a round, "
+                         f"not U={geometry[2]} (geometry {'x'.join(map(str, geometry))})")
+    return stages
+
+
 def _switch(name: str, default: bool | None) -> bool | None:
     """An on/off environment switch: ``name=1`` or ``0``; unset, ``default``; anything else an error."""
     env = os.environ.get(name)
@@ -465,7 +497,7 @@ def _launch(kernel, y, w, which, geometry, kind, split=False):
     nr0, nsg, u, p = mv_geometry(geometry, which, kind)
     template = [("K", K), ("ROWS", R), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p)]
     if qtype == "q4_K":
-        template.append(("HALVES", q4K_halves(which, kind)))
+        template += [("HALVES", q4K_halves(which, kind)), ("S", q4K_stages(which, kind, (nr0, nsg, u, p)))]
     else:
         template.append(("SPLIT", int(split)))
     (dst,) = kernel(
@@ -543,7 +575,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
     mats, rows, kinds = _four_slots(weights)
     prepared, pre = _prep_inputs(prep, y, which, "q4_K multi")
     template = [("K", K), ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", q4K_halves(which, "q4_K multi")),
-                ("PREP", pre)]
+                ("PREP", pre), ("S", q4K_stages(which, "q4_K multi", (nr0, nsg, u, p)))]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
     (dst,) = _MULTI(
@@ -572,12 +604,13 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
     nr0, nsg, u, p = mv_geometry(geometry, which, "q6_K" if kind == "q6_K_split" else kind)
     prepared, pre = _prep_inputs(prep, y, which, "q4_K")
     form = q4K_halves(which, "q4_K")
+    stages = q4K_stages(which, "q4_K", (nr0, nsg, u, p)) if kind == "q4_K" else 0
     (dst,) = _GLU(
         [w_gate, w_up, y] + prepared, [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
                   ("NR0", nr0), ("NSG", nsg), ("U", u), ("P", p), ("HALVES", form),
-                  ("PREP", pre)], which=which, min_blocks=glu_min_blocks(which, nsg, form) if kind == "q4_K" else 0,
+                  ("PREP", pre), ("S", stages)], which=which, min_blocks=glu_min_blocks(which, nsg, form) if kind == "q4_K" else 0,
     )
     return dst
 

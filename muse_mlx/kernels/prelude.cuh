@@ -9,6 +9,9 @@ typedef unsigned char uchar;
 #define ulong unsigned long long   // Metal's ulong is 64-bit (a macro: some hosts typedef ulong)
 #define half __half
 #define MUSE_FN __device__ __forceinline__
+// A pointer to threadgroup memory in a helper's parameters (Metal: `threadgroup T*`): a generic
+// pointer here, which NVCC/NVRTC resolve to shared memory once the helper is inlined.
+#define MUSE_TG
 
 // Thread positions. MLX launches ceil(grid / threadgroup) blocks of `threadgroup` threads.
 #define thread_index_in_threadgroup (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z))
@@ -38,6 +41,9 @@ __device__ __forceinline__ float simd_sum(float v) {
   v += __shfl_xor_sync(0xffffffffu, v, 1);
   return v;
 }
+
+// Orders the SIMD group's threadgroup-memory accesses: __syncwarp (a memory barrier among its lanes).
+__device__ __forceinline__ void simdgroup_barrier(int) { __syncwarp(); }
 
 __device__ __forceinline__ uint simd_shuffle_xor(uint v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ float simd_shuffle_xor(float v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
