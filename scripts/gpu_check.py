@@ -678,15 +678,15 @@ def check_q4_stages(rng, quick):
     mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
     wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
     calls = {"MUSE_MLX_Q4K_STAGES_SINGLE": [
-                 (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda: K.mul_mv_q4_K(h, down)),
-                 (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda: K.mul_mv_q4_K(a, attn_out))],
+                 (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda which: K.mul_mv_q4_K(h, down, which=which)),
+                 (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda which: K.mul_mv_q4_K(a, attn_out, which=which))],
              "MUSE_MLX_Q4K_STAGES_MULTI": [
-                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda: K.mul_mv_multi(x, mats)),
+                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda which: K.mul_mv_multi(x, mats, which=which)),
                  (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
-                  lambda: K.mul_mv_multi(x, mats, prep=prep["q4_K multi"]))],
+                  lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep["q4_K multi"]))],
              "MUSE_MLX_Q4K_STAGES_GLU": [
-                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda: K.mul_mv_glu(x, wg, wu, "q4_K")),
-                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared", lambda: K.mul_mv_glu(x, wg, wu, "q4_K", prep=prep["q4_K"]))]}
+                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
+                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
     for var, named in calls.items():
         for name, call in named:
             with env(var, "0"):

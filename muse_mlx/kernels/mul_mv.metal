@@ -280,41 +280,50 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
-// The staged form of a round's weight loads (q4K_lane_sums with S > 0; U = 1, P = 0). A round of
-// a SIMD group reads blocks 4i .. 4i+3 of each of its NR rows: 576 contiguous bytes a row, which
-// the group copies into threadgroup memory S - 1 rounds ahead (36 NR copies of 16 bytes, spread
-// over the lanes: `src[k]` is lane-chunk k's first address, `blk[k]` its block within a round),
-// one of S slots of 36 NR uint4 each in turn. Round i then waits for its own slot, reads the
-// lane's header and quant runs from it into hd/qa/qb (the same words the register loads read),
-// and copies round i + S - 1 into the slot round i - 1 read, which every lane has finished with
-// (the barrier). Blocks past the row's end are not copied, and not used.
-template <int NR, int S>
-MUSE_FN void q4K_stage_copies(device const uchar* thread const* src, thread const uint* blk, uint tiisg, uint round,
-                              uint nb, MUSE_TG uint4* slot) {
+// The staged form of a round's weight loads (q4K_lane_sums with S > 0; U = 1). A round of a
+// SIMD group reads blocks 4i .. 4i+3 of each of its NR rows: 576 contiguous bytes a row, which the
+// group copies into threadgroup memory S - 1 rounds ahead (36 NR copies of 16 bytes spread over
+// the lanes: lane-chunk k is chunk tiisg + 32k, `src[k]` its address in the next round to copy,
+// `blk[k]` its block within a round), into slot i % S of S slots of 36 NR uint4. Round i then waits
+// for its slot, reads the lane's header and quant runs from it into hd/qa/qb (the same words the
+// register loads read), and copies round i + S - 1 into the slot round i - 1 read, which every lane
+// has finished with (the barrier). `left`: the blocks from the next round to copy to the row's
+// end; blocks past it are not copied, and not used.
+template <int NR>
+MUSE_FN void q4K_stage_copies(device const uchar* thread *src, thread const uint* blk, thread uint& left, uint tiisg,
+                              MUSE_TG uint4* slot) {
     constexpr int CH = 36 * NR;
-    for (int k = 0; k < (CH + 31) / 32; ++k) {
-        const uint c = tiisg + 32u * k;
-        if ((k + 1) * 32 <= CH || c < uint(CH))
-            if (4u * round + blk[k] < nb) stage_copy16(slot + c, (device const uint4*)(src[k] + (ulong)round * 576u));
+    if (left >= 4u) {  // a whole round (all but a row's last): no block to skip
+        for (int k = 0; k < (CH + 31) / 32; ++k)
+            if ((k + 1) * 32 <= CH || tiisg + 32u * k < uint(CH))
+                stage_copy16(slot + tiisg + 32u * k, (device const uint4*)src[k]);
+    } else {
+        for (int k = 0; k < (CH + 31) / 32; ++k)
+            if (((k + 1) * 32 <= CH || tiisg + 32u * k < uint(CH)) && blk[k] < left)
+                stage_copy16(slot + tiisg + 32u * k, (device const uint4*)src[k]);
     }
     stage_commit();
+    for (int k = 0; k < (CH + 31) / 32; ++k) src[k] += 576u;
+    left = left > 4u ? left - 4u : 0u;
 }
 
+// Round i's words from slot sl = i % S (a constant once the caller's loop, which runs S rounds a
+// turn, is unrolled), then round i + S - 1's copies.
 template <int NR, int S>
-MUSE_FN void q4K_stage_round(device const uchar* thread const* src, thread const uint* blk, uint tiisg, uint ix,
-                             uint qoff, uint round, uint nb, MUSE_TG uint4* stage, thread uint4* hd,
-                             thread uint2* qa, thread uint2* qb) {
+MUSE_FN void q4K_stage_round(device const uchar* thread *src, thread const uint* blk, thread uint& left, uint tiisg,
+                             uint ix, uint qoff, uint sl, MUSE_TG uint4* stage, thread uint4* hd, thread uint2* qa,
+                             thread uint2* qb) {
     constexpr int CH = 36 * NR;
-    stage_wait<S - 2>();                            // this lane's copies of round `round` have landed
+    stage_wait<S - 2>();                            // this lane's copies of round i have landed
     simdgroup_barrier(mem_flags::mem_threadgroup);  // and every lane's
-    MUSE_TG const uchar* cur = (MUSE_TG const uchar*)(stage + (round % S) * CH);
+    MUSE_TG const uchar* cur = (MUSE_TG const uchar*)(stage + sl * CH);
     for (int r = 0; r < NR; ++r) {
         MUSE_TG const uchar* b = cur + 576u * r + 144u * ix;
         hd[r] = *(MUSE_TG const uint4*)b;
         qa[r] = *(MUSE_TG const uint2*)(b + qoff);
         qb[r] = *(MUSE_TG const uint2*)(b + qoff + 64u);
     }
-    q4K_stage_copies<NR, S>(src, blk, tiisg, round + S - 1, nb, stage + ((round + S - 1) % S) * CH);
+    q4K_stage_copies<NR>(src, blk, left, tiisg, stage + ((sl + S - 1) % S) * CH);
 }
 
 // The powers of two q4K_block<HALVES> needs an activation at an even (odd = 0) or odd position
@@ -355,7 +364,7 @@ template <int NA, int NB, int U, int PP, int HALVES, int PREP, int S>
 MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, device const float* sy,
                            uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
-    constexpr int P = S ? 0 : PP;  // staged: no register loads ahead
+    constexpr int P = S ? S - 1 : PP;  // staged: S rounds a turn (constant slots), no register loads ahead
     static_assert(S == 0 || U == 1, "staged Q4_K loads take one block a round");
     const uint ix = tiisg / 8;   // lane = 8*ix + 4*iq + ir
     const uint iq = (tiisg % 8) / 4;
@@ -376,6 +385,7 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     // those past its last block too, since the copies and barriers are the SIMD group's
     device const uchar* src[S ? (36 * (NA + NB) + 31) / 32 : 1];
     uint blk[S ? (36 * (NA + NB) + 31) / 32 : 1];
+    uint left = nb;
     if (S) {
         for (int k = 0; k < (36 * (NA + NB) + 31) / 32; ++k) {
             const uint c = min(tiisg + 32u * k, uint(36 * (NA + NB) - 1));
@@ -385,20 +395,18 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
             src[k] += 16u * (c % 36);
             blk[k] = (c % 36) / 9;
         }
-        for (int e = 0; e + 1 < S; ++e)
-            q4K_stage_copies<NA + NB, S>(src, blk, tiisg, uint(e), nb, stage + e * 36 * (NA + NB));
+        for (int e = 0; e + 1 < S; ++e) q4K_stage_copies<NA + NB>(src, blk, left, tiisg, stage + e * 36 * (NA + NB));
     }
-    for (int e = 0; e < P; ++e)  // the first P rounds' loads
+    for (int e = 0; e < (S ? 0 : P); ++e)  // the first P rounds' loads
         q4K_load_round<NA + NB, U>(row, ix + 4u * U * e, nb, qoff, hd[e], qa[e], qb[e]);
     for (uint ib = ix; (S ? ib - ix : ib) < nb; ib += 4 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
             const uint cb = ib + 4u * U * s;
-            if (s == 0 || cb < nb) {  // not `break`: s must stay a constant (see below)
+            if (s == 0 || (S ? cb - ix : cb) < nb) {  // not `break`: s must stay a constant (see below)
             // P = 0: this round's loads; else those P rounds ahead, into the set used last
             if (S)
-                q4K_stage_round<NA + NB, S>(src, blk, tiisg, ix, qoff, (cb - ix) / 4u, nb, stage, hd[0][0], qa[0][0],
-                                            qb[0][0]);
+                q4K_stage_round<NA + NB, S>(src, blk, left, tiisg, ix, qoff, uint(s), stage, hd[s][0], qa[s][0], qb[s][0]);
             else
                 q4K_load_round<NA + NB, U>(row, cb + 4u * U * P, nb, qoff, hd[(s + P) % (P + 1)],
                                            qa[(s + P) % (P + 1)], qb[(s + P) % (P + 1)]);
