@@ -704,6 +704,42 @@ def check_q4_stages(rng, quick):
         compare(f"decode MUSE_MLX_Q4K_STAGES={stages} == registers", "tiny muse-glimmer, 16 tokens", got, base)
 
 
+def check_q6_stages(rng, quick):
+    """The exact Q6_K lanes on the split form with their quant words staged in threadgroup memory
+    (MUSE_MLX_Q6K_STAGES=2, 3, 4; MUSE_MLX_Q6K_STAGES_HEAD at a head geometry of U = 1) against the
+    same calls with register loads, all rows, edge activations; then a tiny model's decode staged
+    against the default."""
+    from muse_mlx.quants import split_q6_K
+
+    D, ff, vocab = (6656, 19968, 202048) if not quick else (512, 768, 1000)
+    x, h = edge_activations(rng, D), edge_activations(rng, ff)
+    down = split_q6_K(random_blocks(D, ff, T.Q6_K, rng))
+    with env("MUSE_MLX_Q6K_STAGES", "0"):
+        want = gpu(K.mul_mv_q6_K, h, down, split=True)
+    for stages in ("2", "3", "4"):
+        with env("MUSE_MLX_Q6K_STAGES", stages):
+            got = gpu(K.mul_mv_q6_K, h, down, split=True)
+        compare(f"mul_mv_q6_K_f32 split S={stages} == registers", f"ffn_down {D}x{ff} edge y", got, want,
+                note="all rows, tuned geometry")
+    del down
+    head = split_q6_K(random_blocks(vocab, D, T.Q6_K, rng))
+    with env("MUSE_MLX_MV_GEOMETRY_HEAD", "4x4x1x1"):
+        with env("MUSE_MLX_Q6K_STAGES_HEAD", "0"):
+            want = gpu(K.mul_mv_q6_K, x, head, head=True, split=True)
+        with env("MUSE_MLX_Q6K_STAGES_HEAD", "2"):
+            got = gpu(K.mul_mv_q6_K, x, head, head=True, split=True)
+    compare("mul_mv_q6_K_f32 head split S=2 == registers", f"head {vocab}x{D} 4x4x1x1 edge y", got, want,
+            note="all rows")
+    del head
+    model, tokens = tiny_model(rng, 24)
+    with env("MUSE_MLX_Q6K_STAGES", "0"):
+        base = tiny_decode(model, tokens)
+    for stages in ("2", "3"):
+        with env("MUSE_MLX_Q6K_STAGES", stages):
+            got = tiny_decode(model, tokens)
+        compare(f"decode MUSE_MLX_Q6K_STAGES={stages} == registers", "tiny muse-glimmer, 16 tokens", got, base)
+
+
 def check_head_warps(rng, quick):
     """The vocabulary head at its tuned geometry, compiled with its launch bounds (HEAD_WARPS: the
     occupancy it was tuned at) and without (MUSE_MLX_HEAD_WARPS=0), each against the oracle: the
@@ -806,7 +842,7 @@ def transcendental_ulps(rng, quick=False):
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
                 glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps,
-                kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
+                kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step,
                 transcendentals=transcendental_ulps)

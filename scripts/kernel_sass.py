@@ -18,7 +18,8 @@ pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_
 ``MUSE_MLX_Q8_GEOMETRY`` and ``MUSE_MLX_Q8_PRE_GEOMETRY`` override it as they do in the engine (as does
 ``MUSE_MLX_Q4K_HALVES``, the Q4_K nibble form: record mode has no entry in ``Q4K_HALVES``, so the
 unlabelled Q4_K lines are the 2^23 form, and the "halves" and "prepared" lines set form 1, or form 2
-(the scales as halves too, the GLU's on CUDA) when ``MUSE_MLX_Q4K_HALVES=2`` is given. Launch bounds, unlike these, follow CUDA's defaults in record
+(the scales as halves too, the GLU's on CUDA) when ``MUSE_MLX_Q4K_HALVES=2`` is given. Launch bounds and the
+staged Q4_K loads (``Q4K_STAGES``, S in the template; ``MUSE_MLX_Q4K_STAGES*`` override it), unlike these, follow CUDA's defaults in record
 mode (``GLU_WARPS``, ``HEAD_WARPS``: so the head at its tuned geometry is the bounded
 ``mul_mv_q6_K_f32_lb128x7``); ``MUSE_MLX_GLU_WARPS`` and ``MUSE_MLX_HEAD_WARPS`` override them, and
 the "16 warps" lines set the first to 16), and so

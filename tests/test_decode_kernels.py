@@ -668,21 +668,74 @@ def test_staged_q4_K_loads_give_ggml_bits(stages, form, monkeypatch):
         assert_bits_equal(emulate_recorded(K.mul_mv_glu, y, w, u, "q4_K", "silu", geometry=geometry, prep=prep), want)
 
 
+@emulator
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
+def test_staged_q6_K_loads_give_ggml_bits(stages, monkeypatch):
+    """The split Q6_K lanes with their quant words staged in threadgroup memory (two blocks a row a
+    round) and their d's loaded P = S - 1 rounds ahead: rows of 3, 13 and 19 blocks, so the last
+    round holds one block or two and the slots wrap at every point; the raw rows' oracle bits, for
+    the ffn_down and the head's kind, at CUDA's tuned ffn_down geometry and two others."""
+    from muse_mlx.quants import split_q6_K
+    from muse_mlx.synthetic import random_blocks
+
+    monkeypatch.setenv("MUSE_MLX_Q6K_STAGES", stages)
+    for k, geometry in ((768, "2x4x1x2"), (3328, "3x2"), (4864, "1x4x1x1")):
+        w = mx.array(random_blocks(7, k, T.Q6_K, np.random.default_rng(k)))
+        y = arr(2, k)
+        want = mul_mv.mul_mv_q6_K_oracle(y, w)
+        for head in (False, True):
+            got = emulate_recorded(K.mul_mv_q6_K, y, split_q6_K(w), geometry=geometry, split=True, head=head)
+            assert_bits_equal(got, want)
+    K.mul_mv_q6_K(y, split_q6_K(w), which="record", geometry=geometry, split=True)
+    assert dict(Kernel.recorded.pop()["template"])["S"] == int(stages)
+    Kernel.recorded.clear()
+
+
+def test_staged_q6_K_loads_are_checked(monkeypatch):
+    """Q6_K staging takes the split form (raw blocks keep their register loads) and U = 1 (elsewhere
+    the default is none and an explicit request an error); the lone matrices and the head have a
+    variable each."""
+    tuned, head = (2, 4, 1, 2), (4, 4, 2, 0)
+    assert mul_mv.q6K_stages("cuda", "q6_K", tuned, False) == 0
+    assert mul_mv.q6K_stages("cuda", "q6_K head", head, True) == 0
+    assert mul_mv.q6K_stages("record", "q6_K", tuned, True) == mul_mv.Q6K_STAGES["cuda"]["q6_K"]
+    monkeypatch.setenv("MUSE_MLX_Q6K_STAGES", "2")
+    assert mul_mv.q6K_stages("cuda", "q6_K", tuned, True) == 2
+    assert mul_mv.q6K_stages("cuda", "q6_K head", head, True) == 0
+    monkeypatch.setenv("MUSE_MLX_Q6K_STAGES_HEAD", "3")
+    assert mul_mv.q6K_stages("cuda", "q6_K head", (4, 4, 1, 0), True) == 3
+    with pytest.raises(ValueError, match="_HEAD=3: staged Q6_K loads take one block of loads a round, not U=2"):
+        mul_mv.q6K_stages("cuda", "q6_K head", head, True)
+    y, w = arr(1, 256), qrows(4, 256, "q6_K")
+    K.mul_mv_q6_K(y, w, which="record")  # raw blocks: register loads
+    assert dict(Kernel.recorded.pop()["template"])["S"] == 0
+    Kernel.recorded.clear()
+
+
 def test_staged_q4_K_loads_are_checked(monkeypatch):
-    """Staging is per kind (a kind's own variable wins over the one for all), takes 2 to 4 rounds,
-    and only one block of loads a round; the recorded launch carries S."""
-    geometry = (2, 2, 1, 1)
-    assert all(mul_mv.q4K_stages("cuda", kind, geometry) == mul_mv.Q4K_STAGES["cuda"][kind]
-               for kind in mul_mv.Q4K_KINDS)
+    """Staging is per kind (a kind's own variable wins over the one for all; a recorded call follows
+    CUDA's table), takes 2 to 4 rounds, and only one block of loads a round: at U > 1 the default
+    falls back to none and an explicit request is an error. The recorded launch carries S."""
+    geometry, wide = (2, 2, 1, 1), (2, 2, 2, 0)
+    for which in ("cuda", "record"):
+        assert [mul_mv.q4K_stages(which, kind, geometry) for kind in mul_mv.Q4K_KINDS] == \
+            [mul_mv.Q4K_STAGES["cuda"][kind] for kind in mul_mv.Q4K_KINDS]
     assert mul_mv.q4K_stages("metal", "q4_K", geometry) == 0
+    assert mul_mv.q4K_stages("cuda", "q4_K", wide) == 0
     monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", "3")
     monkeypatch.setenv("MUSE_MLX_Q4K_STAGES_GLU", "0")
     assert [mul_mv.q4K_stages("cuda", kind, geometry) for kind in mul_mv.Q4K_KINDS] == [0, 3, 3]
+    assert mul_mv.q4K_stages("cuda", "q4_K", wide) == 0
     y, w = arr(1, 256), qrows(4, 256, "q4_K")
     K.mul_mv_q4_K(y, w, which="record")
     assert dict(Kernel.recorded.pop()["template"])["S"] == 3
-    with pytest.raises(ValueError, match=r"one block of loads a round, not U=2 \(geometry 2x2x2x0\)"):
+    K.mul_mv_q4_K(y, w, which="record", geometry="2x2x2")  # the variable for all kinds: none where it cannot
+    assert dict(Kernel.recorded.pop()["template"])["S"] == 0
+    monkeypatch.setenv("MUSE_MLX_Q4K_STAGES_SINGLE", "3")
+    with pytest.raises(ValueError, match=r"_SINGLE=3: staged Q4_K loads take one block of loads a round, not U=2 "
+                                         r"\(geometry 2x2x2x0\)"):
         K.mul_mv_q4_K(y, w, which="record", geometry="2x2x2")
+    monkeypatch.delenv("MUSE_MLX_Q4K_STAGES_SINGLE")
     monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", "1")
     with pytest.raises(ValueError, match="MUSE_MLX_Q4K_STAGES='1': expected 0 .* or 2, 3 or 4"):
         K.mul_mv_q4_K(y, w, which="record")

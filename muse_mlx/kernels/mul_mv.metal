@@ -280,20 +280,34 @@ MUSE_FN void q4K_load_round(device const uchar* thread const* row, uint jb, uint
     }
 }
 
-// The staged form of a round's weight loads (q4K_lane_sums with S > 0; U = 1). A round of a
-// SIMD group reads blocks 4i .. 4i+3 of each of its NR rows: 576 contiguous bytes a row, which the
-// group copies into threadgroup memory S - 1 rounds ahead (36 NR copies of 16 bytes spread over
-// the lanes: lane-chunk k is chunk tiisg + 32k, `src[k]` its address in the next round to copy,
-// `blk[k]` its block within a round), into slot i % S of S slots of 36 NR uint4. Round i then waits
-// for its slot, reads the lane's header and quant runs from it into hd/qa/qb (the same words the
-// register loads read), and copies round i + S - 1 into the slot round i - 1 read, which every lane
-// has finished with (the barrier). `left`: the blocks from the next round to copy to the row's
-// end; blocks past it are not copied, and not used.
-template <int NR>
-MUSE_FN void q4K_stage_copies(device const uchar* thread *src, thread const uint* blk, thread uint& left, uint tiisg,
-                              MUSE_TG uint4* slot) {
-    constexpr int CH = 36 * NR;
-    if (left >= 4u) {  // a whole round (all but a row's last): no block to skip
+// Staged weight loads (the exact lanes with S > 0; U = 1). A round of a SIMD group reads BPR
+// consecutive blocks of each of its NR rows (Q4_K: 4 of 144 bytes; Q6_K in the split form: 2 of
+// 208), CPB 16-byte chunks a block, contiguous in each row; the group copies them into threadgroup
+// memory S - 1 rounds ahead, NR * BPR * CPB copies spread over the lanes (lane-chunk k is chunk
+// tiisg + 32k: `src[k]` its address in the next round to copy, `blk[k]` its block within a round),
+// into slot i % S of S slots of NR * BPR * CPB uint4. Round i then waits for its slot, reads the
+// lane's words from it (the same words the register loads read), and copies round i + S - 1 into
+// the slot round i - 1 read, which every lane has finished with (the barrier). `left`: the blocks
+// from the next round to copy to the row's end; blocks past it are not copied, and not used.
+template <int NR, int CPB, int BPR>
+MUSE_FN void stage_setup(device const uchar* thread const* row, uint tiisg, device const uchar* thread *src,
+                         thread uint* blk) {
+    constexpr int RC = CPB * BPR;  // chunks per row and round
+    for (int k = 0; k < (NR * RC + 31) / 32; ++k) {
+        const uint c = min(tiisg + 32u * k, uint(NR * RC - 1));
+        src[k] = row[0];
+        for (int r = 1; r < NR; ++r)  // row[c / RC] (a constant index: row[] stays in registers)
+            if (c / RC == uint(r)) src[k] = row[r];
+        src[k] += 16u * (c % RC);
+        blk[k] = (c % RC) / CPB;
+    }
+}
+
+template <int NR, int CPB, int BPR>
+MUSE_FN void stage_copies(device const uchar* thread *src, thread const uint* blk, thread uint& left, uint tiisg,
+                          MUSE_TG uint4* slot) {
+    constexpr int CH = NR * CPB * BPR;
+    if (left >= uint(BPR)) {  // a whole round (all but a row's last): no block to skip
         for (int k = 0; k < (CH + 31) / 32; ++k)
             if ((k + 1) * 32 <= CH || tiisg + 32u * k < uint(CH))
                 stage_copy16(slot + tiisg + 32u * k, (device const uint4*)src[k]);
@@ -303,19 +317,26 @@ MUSE_FN void q4K_stage_copies(device const uchar* thread *src, thread const uint
                 stage_copy16(slot + tiisg + 32u * k, (device const uint4*)src[k]);
     }
     stage_commit();
-    for (int k = 0; k < (CH + 31) / 32; ++k) src[k] += 576u;
-    left = left > 4u ? left - 4u : 0u;
+    for (int k = 0; k < (CH + 31) / 32; ++k) src[k] += 16u * CPB * BPR;
+    left = left > uint(BPR) ? left - uint(BPR) : 0u;
+}
+
+// Wait until round i's slot has landed, for every lane.
+template <int S>
+MUSE_FN void stage_ready() {
+    stage_wait<S - 2>();                            // this lane's copies of round i have landed
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // and every lane's
 }
 
 // Round i's words from slot sl = i % S (a constant once the caller's loop, which runs S rounds a
 // turn, is unrolled), then round i + S - 1's copies.
+// Q4_K: the lane's header and quant runs.
 template <int NR, int S>
 MUSE_FN void q4K_stage_round(device const uchar* thread *src, thread const uint* blk, thread uint& left, uint tiisg,
                              uint ix, uint qoff, uint sl, MUSE_TG uint4* stage, thread uint4* hd, thread uint2* qa,
                              thread uint2* qb) {
     constexpr int CH = 36 * NR;
-    stage_wait<S - 2>();                            // this lane's copies of round i have landed
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // and every lane's
+    stage_ready<S>();
     MUSE_TG const uchar* cur = (MUSE_TG const uchar*)(stage + sl * CH);
     for (int r = 0; r < NR; ++r) {
         MUSE_TG const uchar* b = cur + 576u * r + 144u * ix;
@@ -323,7 +344,7 @@ MUSE_FN void q4K_stage_round(device const uchar* thread *src, thread const uint*
         qa[r] = *(MUSE_TG const uint2*)(b + qoff);
         qb[r] = *(MUSE_TG const uint2*)(b + qoff + 64u);
     }
-    q4K_stage_copies<NR>(src, blk, left, tiisg, stage + ((sl + S - 1) % S) * CH);
+    stage_copies<NR, 9, 4>(src, blk, left, tiisg, stage + ((sl + S - 1) % S) * CH);
 }
 
 // The powers of two q4K_block<HALVES> needs an activation at an even (odd = 0) or odd position
@@ -387,15 +408,8 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     uint blk[S ? (36 * (NA + NB) + 31) / 32 : 1];
     uint left = nb;
     if (S) {
-        for (int k = 0; k < (36 * (NA + NB) + 31) / 32; ++k) {
-            const uint c = min(tiisg + 32u * k, uint(36 * (NA + NB) - 1));
-            src[k] = row[0];
-            for (int r = 1; r < NA + NB; ++r)  // row[c / 36] (a constant index: row[] stays in registers)
-                if (c / 36 == uint(r)) src[k] = row[r];
-            src[k] += 16u * (c % 36);
-            blk[k] = (c % 36) / 9;
-        }
-        for (int e = 0; e + 1 < S; ++e) q4K_stage_copies<NA + NB>(src, blk, left, tiisg, stage + e * 36 * (NA + NB));
+        stage_setup<NA + NB, 9, 4>(row, tiisg, src, blk);
+        for (int e = 0; e + 1 < S; ++e) stage_copies<NA + NB, 9, 4>(src, blk, left, tiisg, stage + e * 36 * (NA + NB));
     }
     for (int e = 0; e < (S ? 0 : P); ++e)  // the first P rounds' loads
         q4K_load_round<NA + NB, U>(row, ix + 4u * U * e, nb, qoff, hd[e], qa[e], qb[e]);
@@ -455,8 +469,8 @@ MUSE_FN void q4K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 // SPLIT = 1 reads the split form (quants.split_q6_K: 208-byte bodies at 16-byte boundaries, the
 // d's apart, `dl[r]` row r's): the same bytes, so the same words, in four loads where the raw
 // 2-byte aligned blocks take eleven: three whole words, the 8 aligned scale bytes around the
-// lane's four (byte_select picks them with `sc_sel`), and d.
-template <int NR, int U, int SPLIT>
+// lane's four (byte_select picks them with `sc_sel`), and d. WORDS = 0: d alone.
+template <int NR, int U, int SPLIT, int WORDS>
 MUSE_FN void q6K_load_round(device const uchar* thread const* lane, device const half* thread const* dl,
                             uint jb, uint nb, uint to_h, uint to_sc, uint to_d, uint sc_sel,
                             thread uint (*ql1)[NR], thread uint (*ql2)[NR], thread uint (*qh)[NR],
@@ -464,7 +478,9 @@ MUSE_FN void q6K_load_round(device const uchar* thread const* lane, device const
     for (int u = 0; u < U; ++u) {
         const uint j = min(jb + 2u * u, nb - 1u);
         for (int r = 0; r < NR; ++r) {
-            if (SPLIT == 1) {
+            if (!WORDS) {  // d alone (the staged form's words come through threadgroup memory)
+                d[u][r] = float(dl[r][j]);
+            } else if (SPLIT == 1) {
                 device const uchar* q = lane[r] + j * 208u;
                 ql1[u][r] = *(device const uint*)q;
                 ql2[u][r] = *(device const uint*)(q + 32);
@@ -486,6 +502,27 @@ MUSE_FN void q6K_load_round(device const uchar* thread const* lane, device const
     }
 }
 
+// The staged form of a Q6_K round (split form; q6K_lane_sums with S > 0): the lane's three quant
+// words and four scales from slot sl, as q6K_load_round reads them from the blocks (`off` is the
+// lane's quant offset q_offset_l, to_h and to_sc as there); then round i + S - 1's copies.
+template <int NR, int S>
+MUSE_FN void q6K_stage_round(device const uchar* thread *src, thread const uint* blk, thread uint& left, uint tiisg,
+                             uint ix, uint off, uint to_h, uint to_sc, uint sc_sel, uint sl, MUSE_TG uint4* stage,
+                             thread uint* ql1, thread uint* ql2, thread uint* qh, thread uint* sc) {
+    constexpr int CH = 26 * NR;
+    stage_ready<S>();
+    MUSE_TG const uchar* cur = (MUSE_TG const uchar*)(stage + sl * CH);
+    for (int r = 0; r < NR; ++r) {
+        MUSE_TG const uchar* q = cur + 416u * r + 208u * ix + off;
+        ql1[r] = *(MUSE_TG const uint*)q;
+        ql2[r] = *(MUSE_TG const uint*)(q + 32);
+        qh[r] = *(MUSE_TG const uint*)(q + to_h);
+        const uint2 w = *(MUSE_TG const uint2*)(q + to_sc);
+        sc[r] = byte_select(w.x, w.y, sc_sel);
+    }
+    stage_copies<NR, 13, 2>(src, blk, left, tiisg, stage + ((sl + S - 1) % S) * CH);
+}
+
 // Q6_K (210-byte blocks, d at the end): lane = 2*tid + ix, tid = 8*ip + il; lane (ip, il, ix)
 // walks blocks ix, ix+2, ... and reads 4 values from each of 4 runs of 32 (ggml's order).
 // Blocks are 2-byte aligned, so quants are read as ushorts. As for Q4_K, the loads of a round of
@@ -493,10 +530,12 @@ MUSE_FN void q6K_load_round(device const uchar* thread const* lane, device const
 // earlier still; blocks are added in ggml's order. SPLIT = 1: the matrices are in the split form
 // (q6K_load_round), `a`/`b` their first rows' bodies (row_bytes = 208 nb apart) and `ad`/`bd` their
 // first rows' d's (nb apart); the words, so the arithmetic and the bits, are the raw form's.
-template <int NA, int NB, int U, int P, int SPLIT>
+template <int NA, int NB, int U, int PP, int SPLIT, int S>
 MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b, uint rb,
                            uint row_bytes, uint nb, device const float* y, uint tiisg,
-                           thread float* sumf, device const half* ad, device const half* bd) {
+                           thread float* sumf, device const half* ad, device const half* bd, MUSE_TG uint4* stage) {
+    constexpr int P = S ? S - 1 : PP;  // staged: S rounds a turn (constant slots); d still P rounds ahead
+    static_assert(S == 0 || (SPLIT == 1 && U == 1), "staged Q6_K loads take the split form, one block a round");
     const uint tid = tiisg / 2;
     const uint ix = tiisg % 2;
     const uint ip = tid / 8;
@@ -523,17 +562,30 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     uint qh[P + 1][U][NA + NB];
     uint sc[P + 1][U][NA + NB];
     float d[P + 1][U][NA + NB];
-    for (int e = 0; e < P; ++e)  // the first P rounds' loads
-        q6K_load_round<NA + NB, U, SPLIT>(lane, dl, ix + 2u * U * e, nb, to_h, to_sc, to_d, sc_sel, ql1[e],
-                                          ql2[e], qh[e], sc[e], d[e]);
-    for (uint i = ix; i < nb; i += 2 * U * (P + 1)) {
+    // S > 0: the rows' first S - 1 rounds' copies (stage_copies), every lane ceil(nb/2) rounds
+    device const uchar* src[S ? (26 * (NA + NB) + 31) / 32 : 1];
+    uint blk[S ? (26 * (NA + NB) + 31) / 32 : 1];
+    uint left = nb;
+    if (S) {
+        device const uchar* row[NA + NB];
+        for (int r = 0; r < NA + NB; ++r) row[r] = lane[r] - q_offset_l;
+        stage_setup<NA + NB, 13, 2>(row, tiisg, src, blk);
+        for (int e = 0; e + 1 < S; ++e) stage_copies<NA + NB, 13, 2>(src, blk, left, tiisg, stage + e * 26 * (NA + NB));
+    }
+    for (int e = 0; e < P; ++e)  // the first P rounds' loads (staged: their d's)
+        q6K_load_round<NA + NB, U, SPLIT, S ? 0 : 1>(lane, dl, ix + 2u * U * e, nb, to_h, to_sc, to_d, sc_sel,
+                                                     ql1[e], ql2[e], qh[e], sc[e], d[e]);
+    for (uint i = ix; (S ? i - ix : i) < nb; i += 2 * U * (P + 1)) {
 #pragma unroll
         for (int s = 0; s <= P; ++s) {  // s: the set of registers this round computes from
             const uint ci = i + 2u * U * s;
-            if (s == 0 || ci < nb) {  // not `break` (see q4K_lane_sums)
+            if (s == 0 || (S ? ci - ix : ci) < nb) {  // not `break` (see q4K_lane_sums)
             const int ls = (s + P) % (P + 1);  // P = 0: this round's loads; else those P rounds ahead
-            q6K_load_round<NA + NB, U, SPLIT>(lane, dl, ci + 2u * U * P, nb, to_h, to_sc, to_d, sc_sel,
-                                              ql1[ls], ql2[ls], qh[ls], sc[ls], d[ls]);
+            if (S)
+                q6K_stage_round<NA + NB, S>(src, blk, left, tiisg, ix, q_offset_l, to_h, to_sc, sc_sel, uint(s), stage,
+                                            ql1[s][0], ql2[s][0], qh[s][0], sc[s][0]);
+            q6K_load_round<NA + NB, U, SPLIT, S ? 0 : 1>(lane, dl, ci + 2u * U * P, nb, to_h, to_sc, to_d, sc_sel,
+                                                         ql1[ls], ql2[ls], qh[ls], sc[ls], d[ls]);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (ci + 2u * u < nb) {  // not `break`: the loop must unroll (see q4K_lane_sums)
@@ -582,20 +634,20 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
 
 // The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K,
 // 2 Q6_K in the split form, whose d's follow all `rows` rows' bodies); HALVES, PREP, y and sy as
-// q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is); S and `stage` too (Q4_K only: the
-// SIMD group's S * 36 * NR0 uint4 of threadgroup memory when S > 0).
+// q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is); S and `stage` too (Q4_K and the
+// split Q6_K: the SIMD group's S * 36 * NR0, or S * 26 * NR0, uint4 of threadgroup memory when S > 0).
 template <int TYPE, int NR0, int U, int P, int HALVES, int PREP, int S>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
                       device const float* sy, uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
     const uint row_bytes = nb * (TYPE == 0 ? 144u : TYPE == 1 ? 210u : 208u);
     device const uchar* a = w + (ulong)first_row * row_bytes;
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP, S>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf,
-                                                     stage);
+        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP, TYPE == 0 ? S : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y,
+                                                                     sy, tiisg, sumf, stage);
     } else {
         device const half* ad = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)first_row * nb;
-        q6K_lane_sums<NR0, 0, U, P, TYPE == 2 ? 1 : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg,
-                                                        sumf, ad, ad);
+        q6K_lane_sums<NR0, 0, U, P, TYPE == 2 ? 1 : 0, TYPE == 2 ? S : 0>(a, rows - first_row, a, 1u, row_bytes, nb,
+                                                                           y, tiisg, sumf, ad, ad, stage);
     }
 }
 
@@ -742,15 +794,18 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: mul_mv_q6_K_f32
 // inputs: w [ROWS, K/256*210] (uint8; SPLIT 1: in the split form), y [T, K]; outputs: dst [T, ROWS]
 // grid (ceil(ROWS/(NR0*NSG))*32, NSG, T), threadgroup (32, NSG, 1); ggml: NR0 = NSG = 2;
-// U blocks of loads per row in a round, each round's loads issued P rounds early
+// U blocks of loads per row in a round, each round's loads issued P rounds early; S > 0 (split
+// form, U = 1): the quant words staged in threadgroup memory instead, S - 1 rounds ahead, the d's
+// still P = S - 1 rounds ahead in registers (q6K_stage_round)
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
-    threadgroup uint4 stage[1];  // unused: Q6_K lanes load into registers
+    threadgroup uint4 stage[NSG * (S ? S : 1) * 26 * NR0];
     float sumf[NR0];
-    row_sums<1 + SPLIT, NR0, U, P, 0, 0, 0>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf, stage);
+    row_sums<1 + SPLIT, NR0, U, P, 0, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
+                                            stage + sgitg * (S ? S : 1) * 26 * NR0);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -825,7 +880,7 @@ MUSE_FN float lane_group_sum(float v) {
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
     if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, S>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, TYPE == 0 ? S : 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
                                                        PREP ? ys + (ulong)t * K : yt,
                                                        PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf,
                                                        stage + sgitg * (S ? S : 1) * 72 * NR0);
@@ -833,8 +888,8 @@ MUSE_FN float lane_group_sum(float v) {
         // split (TYPE 2): each matrix's d's follow its ROWS rows' bodies
         device const half* gd = (device const half*)(wg + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
         device const half* ud = (device const half*)(wu + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
-        q6K_lane_sums<NR0, NR0, U, P, TYPE == 2 ? 1 : 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
-                                                          yt, tiisg, sumf, gd, ud);
+        q6K_lane_sums<NR0, NR0, U, P, TYPE == 2 ? 1 : 0, 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+                                                             yt, tiisg, sumf, gd, ud, stage);
     }
     for (int r = 0; r < NR0; ++r) {
         const float gate = simd_sum(sumf[r]);

@@ -267,9 +267,12 @@ _HALVES_ENV = {"q4_K": ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES"),
 # memory (q4K_stage_round; S, 0 = none: each round's loads go to registers, P rounds early). With
 # S > 0 a SIMD group copies the next S - 1 rounds' blocks (576 bytes a row each) into threadgroup
 # memory, on NVIDIA with asynchronous copies that hold no registers, and each lane reads its words
-# from there: the same words, so the same bits. It needs U = 1 and leaves P unused. Unmeasured on
-# the H200 when written (twenty-second session), so off everywhere until timed.
-Q4K_STAGES = {"cuda": {"q4_K": 0, "q4_K single": 0, "q4_K multi": 0}}
+# from there: the same words, so the same bits. It needs U = 1 and leaves P unused. Timed inside
+# the decode on the H200 (twenty-second session, docs/performance.md): the GLU 54.3-54.6 us at S = 2
+# against 57.6-57.9 with register loads (and 59.2 at S = 4), 125.0 against 122.3 tok/s at ctx 128;
+# the lone kernel's ffn_down 1.5 % faster at S = 2 but its attn_output 5 % slower, and the multi
+# kernel 1 % slower, so those two kinds keep their register loads. Metal: none (unmeasured).
+Q4K_STAGES = {"cuda": {"q4_K": 2, "q4_K single": 0, "q4_K multi": 0}}
 _STAGES_ENV = {"q4_K": ("MUSE_MLX_Q4K_STAGES_GLU", "MUSE_MLX_Q4K_STAGES"),
                "q4_K single": ("MUSE_MLX_Q4K_STAGES_SINGLE", "MUSE_MLX_Q4K_STAGES"),
                "q4_K multi": ("MUSE_MLX_Q4K_STAGES_MULTI", "MUSE_MLX_Q4K_STAGES")}
@@ -277,22 +280,57 @@ _STAGES_ENV = {"q4_K": ("MUSE_MLX_Q4K_STAGES_GLU", "MUSE_MLX_Q4K_STAGES"),
 
 def q4K_stages(which: str, kind: str, geometry: tuple[int, int, int, int]) -> int:
     """The rounds of weights the Q4_K lanes of geometry kind ``kind``, launched at ``geometry`` (NR0,
-    NSG, U, P), stage in threadgroup memory on this backend (:data:`Q4K_STAGES`; 0 for none; when
-    staged, their P is unused: a Q6_K matrix of the same multi call keeps it).
-    ``MUSE_MLX_Q4K_STAGES=S`` (0, or 2 to 4) overrides it for every kind, ``MUSE_MLX_Q4K_STAGES_GLU``,
-    ``_SINGLE``, ``_MULTI`` for one."""
-    stages = Q4K_STAGES.get(which, {}).get(kind, 0)
-    for name in _STAGES_ENV[kind]:
+    NSG, U, P), stage in threadgroup memory on this backend (:data:`Q4K_STAGES`; a recorded call, what
+    CUDA would run; 0 for none; when staged, their P is unused: a Q6_K matrix of the same multi call
+    keeps it). ``MUSE_MLX_Q4K_STAGES=S`` (0, or 2 to 4) overrides it for every kind,
+    ``MUSE_MLX_Q4K_STAGES_GLU``, ``_SINGLE``, ``_MULTI`` for one. Staging takes one block of loads a
+    round: at U > 1 the default and ``MUSE_MLX_Q4K_STAGES`` give none, and a kind's own variable is an
+    error."""
+    return _stages(Q4K_STAGES, _STAGES_ENV[kind], which, kind, geometry, geometry[2] == 1,
+                   f"staged Q4_K loads take one block of loads a round, not U={geometry[2]}")
+
+
+# The same for the exact Q6_K matvecs (q6K_stage_round): two 208-byte blocks a row a round, in the
+# split form only (raw 210-byte blocks do not sit at 16-byte boundaries: they keep their register
+# loads) and at U = 1; the d's are
+# still loaded into registers P = S - 1 rounds ahead. "q6_K" is the lone Q6_K matrix (a ffn_down),
+# "q6_K head" the vocabulary head, whose tuned geometry has U = 2 (so no staging by default, and
+# MUSE_MLX_Q6K_STAGES_HEAD needs MUSE_MLX_MV_GEOMETRY_HEAD with U = 1).
+# Unmeasured when written (twenty-second session): off until timed.
+Q6K_STAGES = {"cuda": {"q6_K": 0, "q6_K head": 0}}
+_Q6K_STAGES_ENV = {"q6_K": ("MUSE_MLX_Q6K_STAGES",), "q6_K head": ("MUSE_MLX_Q6K_STAGES_HEAD",)}
+
+
+def _stages(table: dict, names: tuple[str, ...], which: str, kind: str, geometry, fits: bool, why: str) -> int:
+    """Rounds staged in threadgroup memory for a kind: its variables (the first set wins; 0, or 2 to 4),
+    else ``table`` (a recorded call follows CUDA). Where staging does not fit (``fits`` False:
+    ``why``) the default and a variable shared by several kinds (``names[1:]``) fall back to 0, and
+    the kind's own variable (``names[0]``) is an error."""
+    for k, name in enumerate(names):
         env = os.environ.get(name)
         if env is not None:
             if env not in ("0", "2", "3", "4"):
                 raise ValueError(f"{name}={env!r}: expected 0 (no staging) or 2, 3 or 4 rounds")
-            stages = int(env)
-            break
-    if stages and geometry[2] != 1:
-        raise ValueError(f"staged Q4_K loads ({kind!r}, S={stages}) take one block of loads a round, "
-                         f"not U={geometry[2]} (geometry {'x'.join(map(str, geometry))})")
-    return stages
+            if env != "0" and not fits:
+                if k:
+                    return 0
+                raise ValueError(f"{name}={env}: {why} (geometry {'x'.join(map(str, geometry))})")
+            return int(env)
+    stages = table.get("cuda" if which == "record" else which, {}).get(kind, 0)
+    return stages if fits else 0
+
+
+def q6K_stages(which: str, kind: str, geometry: tuple[int, int, int, int], split: bool) -> int:
+    """The rounds of quant words the exact Q6_K lanes of kind ``kind`` ("q6_K", "q6_K head"), launched
+    at ``geometry`` on a matrix in the split form or not, stage in threadgroup memory
+    (:data:`Q6K_STAGES`; ``MUSE_MLX_Q6K_STAGES`` overrides it for the lone matrices,
+    ``MUSE_MLX_Q6K_STAGES_HEAD`` for the head). Only the split form is staged (raw 210-byte blocks
+    always load into registers: the same bits), and only at one block of loads a round (U = 1; asked
+    for at another U, it is an error)."""
+    if not split:
+        return 0
+    return _stages(Q6K_STAGES, _Q6K_STAGES_ENV[kind], which, kind, geometry, geometry[2] == 1,
+                   f"staged Q6_K loads take one block of loads a round, not U={geometry[2]}")
 
 
 def _switch(name: str, default: bool | None) -> bool | None:
@@ -499,7 +537,7 @@ def _launch(kernel, y, w, which, geometry, kind, split=False):
     if qtype == "q4_K":
         template += [("HALVES", q4K_halves(which, kind)), ("S", q4K_stages(which, kind, (nr0, nsg, u, p)))]
     else:
-        template.append(("SPLIT", int(split)))
+        template += [("SPLIT", int(split)), ("S", q6K_stages(which, kind, (nr0, nsg, u, p), split))]
     (dst,) = kernel(
         [w, y], [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T), threadgroup=(32, nsg, 1),
         template=template, which=which,
