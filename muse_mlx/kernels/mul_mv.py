@@ -295,9 +295,10 @@ def q4K_stages(which: str, kind: str, geometry: tuple[int, int, int, int]) -> in
 # loads) and at U = 1; the d's are
 # still loaded into registers P = S - 1 rounds ahead. "q6_K" is the lone Q6_K matrix (a ffn_down),
 # "q6_K head" the vocabulary head, whose tuned geometry has U = 2 (so no staging by default, and
-# MUSE_MLX_Q6K_STAGES_HEAD needs MUSE_MLX_MV_GEOMETRY_HEAD with U = 1).
-# Unmeasured when written (twenty-second session): off until timed.
-Q6K_STAGES = {"cuda": {"q6_K": 0, "q6_K head": 0}}
+# MUSE_MLX_Q6K_STAGES_HEAD needs MUSE_MLX_MV_GEOMETRY_HEAD with U = 1). Timed inside the decode on
+# the H200 (twenty-second session, docs/performance.md): the ffn_down 42.1 us at S = 2 against
+# 42.6-42.7 with register loads in both alternations (46.5 at S = 3), so S = 2 there; Metal: none.
+Q6K_STAGES = {"cuda": {"q6_K": 2, "q6_K head": 0}}
 _Q6K_STAGES_ENV = {"q6_K": ("MUSE_MLX_Q6K_STAGES",), "q6_K head": ("MUSE_MLX_Q6K_STAGES_HEAD",)}
 
 
