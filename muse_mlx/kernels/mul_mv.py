@@ -226,7 +226,12 @@ MV_GEOMETRIES = {
     # ffn_down took 39.0 us at 2x2x1x1, 42.3 at 3x2x1x0, 43.6 at 2x2x1x0, 48.8 at 4x2x1x0; the multi
     # kernel 18.0 at 2x2x1x1, 17.8-18.0 at 3x2x1x0 (within the spread), 20.2-21.0 at 2x2x1x0 and
     # 4x2x1x0; the GLU 62.5 at 2x2x1x1 and at 2x2x1x0 alike, 86.6 at 4x2x1x0. So 2x2x1x1 stays.
-    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (2, 2, 1, 1), "q4_K multi": (2, 2, 1, 1),
+    # Twenty-second session: with its weights staged in threadgroup memory (Q4K_STAGES, S = 2), the lone
+    # kind takes four rows a SIMD group, which shares each round's copies and activations among four
+    # rows (126 registers, one wave): the Q4_K ffn_down 35.8-35.9 us against 38.3-38.6 staged at 2x2x1x1
+    # and 39.3-39.7 with register loads, attn_output 9.3 against 10.3 and 9.8. (With register loads
+    # 4x2x1x0 is the slow one, 48.8 us: MUSE_MLX_Q4K_STAGES_SINGLE=0 wants MUSE_MLX_MV_GEOMETRY_SINGLE=2x2x1x1.)
+    "tuned": {"cuda": {"q4_K": (2, 2, 1, 1), "q4_K single": (4, 2, 1, 0), "q4_K multi": (2, 2, 1, 1),
                        "q6_K": (2, 4, 1, 2), "q6_K head": (4, 4, 2, 0)},
               "metal": {"q4_K": (2, 2, 1, 0), "q4_K single": (2, 2, 1, 0), "q4_K multi": (2, 2, 1, 0),
                         "q6_K": (2, 2, 1, 0), "q6_K head": (2, 2, 1, 0)}},
@@ -269,10 +274,13 @@ _HALVES_ENV = {"q4_K": ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES"),
 # memory, on NVIDIA with asynchronous copies that hold no registers, and each lane reads its words
 # from there: the same words, so the same bits. It needs U = 1 and leaves P unused. Timed inside
 # the decode on the H200 (twenty-second session, docs/performance.md): the GLU 54.3-54.6 us at S = 2
-# against 57.6-57.9 with register loads (and 59.2 at S = 4), 125.0 against 122.3 tok/s at ctx 128;
-# the lone kernel's ffn_down 1.5 % faster at S = 2 but its attn_output 5 % slower, and the multi
-# kernel 1 % slower, so those two kinds keep their register loads. Metal: none (unmeasured).
-Q4K_STAGES = {"cuda": {"q4_K": 2, "q4_K single": 0, "q4_K multi": 0}}
+# against 57.6-57.9 with register loads (and 59.2 at S = 4), 125.0 against 122.3 tok/s at ctx 128.
+# At their 2x2x1x1 the lone kernel's ffn_down ran 1.5 % faster at S = 2 but its attn_output 5 % slower
+# and the multi kernel 1 % slower (two rows a round carry the copies); at four rows a SIMD group
+# (MV_GEOMETRIES, 4x2x1x0) the lone kernel staged beats both (ffn_down 35.8 against 39.3-39.7 us,
+# attn_output 9.3 against 9.8), and the multi kernel at 4x2x1x0 staged only ties its register loads.
+# So the GLU and the lone kernel are staged, the multi kernel is not. Metal: none (unmeasured).
+Q4K_STAGES = {"cuda": {"q4_K": 2, "q4_K single": 2, "q4_K multi": 0}}
 _STAGES_ENV = {"q4_K": ("MUSE_MLX_Q4K_STAGES_GLU", "MUSE_MLX_Q4K_STAGES"),
                "q4_K single": ("MUSE_MLX_Q4K_STAGES_SINGLE", "MUSE_MLX_Q4K_STAGES"),
                "q4_K multi": ("MUSE_MLX_Q4K_STAGES_MULTI", "MUSE_MLX_Q4K_STAGES")}
