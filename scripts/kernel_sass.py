@@ -369,12 +369,15 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
     y_d, y_ff = mx.zeros((1, D)), mx.zeros((1, FF))
     q4 = lambda r, k: zeros_rows(r, k, "q4_K")  # noqa: E731
     q6 = lambda r, k: zeros_rows(r, k, "q6_K")  # noqa: E731
+    # the halves lines' form: 1, unless MUSE_MLX_Q4K_HALVES=2 asks for the scales as halves too
+    halves = "2" if os.environ.get("MUSE_MLX_Q4K_HALVES") == "2" else "1"
     for g in q4_single or q4_geoms:  # the lone Q4_K matrices ("q4_K single" when tuned)
         rec(f"ffn_gate/up {FF}x{D}", K.mul_mv_q4_K, y_d, q4(FF, D), geometry=g)
         rec(f"ffn_down {D}x{FF}", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
         rec(f"attn_out {D}x{QW}", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
-    # the halves lines' form: 1, unless MUSE_MLX_Q4K_HALVES=2 asks for the scales as halves too
-    halves = "2" if os.environ.get("MUSE_MLX_Q4K_HALVES") == "2" else "1"
+        with env("MUSE_MLX_Q4K_HALVES", halves):  # the lone calls' CUDA form (1)
+            rec(f"ffn_down {D}x{FF} halves", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
+            rec(f"attn_out {D}x{QW} halves", K.mul_mv_q4_K, mx.zeros((1, QW)), q4(D, QW), geometry=g)
     prep = mul_mv.Q4KPrepared(y_d, mx.zeros((1, D // 8)), int(halves))  # as a tail prepares them
     qkvg = [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")]
     for g in q4_multi or q4_geoms:  # the q|k|v|gate call ("q4_K multi" when tuned)
@@ -386,7 +389,6 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                                      q4(FF, D), "q4_K", "silu", geometry=g, **kw)
         glu("")
         with env("MUSE_MLX_Q4K_HALVES", halves):  # a halves form, alone and with prepared activations
-            rec(f"ffn_down {D}x{FF} halves", K.mul_mv_q4_K, y_ff, q4(D, FF), geometry=g)
             glu(" halves")
             glu(" prepared", prep=prep)
             with env("MUSE_MLX_GLU_WARPS", "16"):  # bounded for 16 warps per SM (128 registers at NSG 2)
@@ -542,6 +544,9 @@ def print_loops(r: dict) -> None:
 
 
 def main(argv=None) -> int:
+    # record mode takes no staged loads (the emulator's default); what CUDA compiles does
+    mul_mv.Q4K_STAGES["record"] = mul_mv.Q4K_STAGES["cuda"]
+    mul_mv.Q6K_STAGES["record"] = mul_mv.Q6K_STAGES["cuda"]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kernel", help="only kernels whose name contains this (case-insensitive)")

@@ -656,7 +656,7 @@ def test_staged_q4_K_loads_give_ggml_bits(stages, form, monkeypatch):
     the GLU, plain and prepared, with edge activations."""
     monkeypatch.setenv("MUSE_MLX_Q4K_HALVES", str(form))
     monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", stages)
-    for k, geometry in ((768, "2x2x1x1"), (3328, "3x2"), (4864, "1x4x1x2")):
+    for k, geometry in ((768, "2x2x1x1"), (3328, "3x2"), (4864, "1x4x1x2"), (1280, "4x2")):
         y, w = edge_activations(2, k, form), qrows(7, k, "q4_K")
         assert_bits_equal(emulate_recorded(K.mul_mv_q4_K, y, w, geometry=geometry), mul_mv.mul_mv_q4_K_oracle(y, w))
         ws = [(w, "q4_K"), (qrows(3, k, "q6_K"), "q6_K"), (qrows(5, k, "q4_K"), "q4_K")]
@@ -698,7 +698,8 @@ def test_staged_q6_K_loads_are_checked(monkeypatch):
     tuned, head = (2, 4, 1, 2), (4, 4, 2, 0)
     assert mul_mv.q6K_stages("cuda", "q6_K", tuned, False) == 0
     assert mul_mv.q6K_stages("cuda", "q6_K head", head, True) == 0
-    assert mul_mv.q6K_stages("record", "q6_K", tuned, True) == mul_mv.Q6K_STAGES["cuda"]["q6_K"]
+    assert mul_mv.q6K_stages("record", "q6_K", tuned, True) == 0
+    assert mul_mv.q6K_stages("cuda", "q6_K", tuned, True) == mul_mv.Q6K_STAGES["cuda"]["q6_K"]
     monkeypatch.setenv("MUSE_MLX_Q6K_STAGES", "2")
     assert mul_mv.q6K_stages("cuda", "q6_K", tuned, True) == 2
     assert mul_mv.q6K_stages("cuda", "q6_K head", head, True) == 0
@@ -713,14 +714,14 @@ def test_staged_q6_K_loads_are_checked(monkeypatch):
 
 
 def test_staged_q4_K_loads_are_checked(monkeypatch):
-    """Staging is per kind (a kind's own variable wins over the one for all; a recorded call follows
-    CUDA's table), takes 2 to 4 rounds, and only one block of loads a round: at U > 1 the default
-    falls back to none and an explicit request is an error. The recorded launch carries S."""
+    """Staging is per kind (a kind's own variable wins over the one for all; a recorded call, the
+    emulator's, takes none unless asked, as Metal), takes 2 to 4 rounds, and only one block of loads
+    a round: at U > 1 the default falls back to none and an explicit request is an error. The
+    recorded launch carries S."""
     geometry, wide = (2, 2, 1, 1), (2, 2, 2, 0)
-    for which in ("cuda", "record"):
-        assert [mul_mv.q4K_stages(which, kind, geometry) for kind in mul_mv.Q4K_KINDS] == \
-            [mul_mv.Q4K_STAGES["cuda"][kind] for kind in mul_mv.Q4K_KINDS]
-    assert mul_mv.q4K_stages("metal", "q4_K", geometry) == 0
+    assert [mul_mv.q4K_stages("cuda", kind, geometry) for kind in mul_mv.Q4K_KINDS] == \
+        [mul_mv.Q4K_STAGES["cuda"][kind] for kind in mul_mv.Q4K_KINDS]
+    assert mul_mv.q4K_stages("metal", "q4_K", geometry) == mul_mv.q4K_stages("record", "q4_K", geometry) == 0
     assert mul_mv.q4K_stages("cuda", "q4_K", wide) == 0
     monkeypatch.setenv("MUSE_MLX_Q4K_STAGES", "3")
     monkeypatch.setenv("MUSE_MLX_Q4K_STAGES_GLU", "0")

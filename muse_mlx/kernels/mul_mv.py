@@ -288,9 +288,9 @@ _STAGES_ENV = {"q4_K": ("MUSE_MLX_Q4K_STAGES_GLU", "MUSE_MLX_Q4K_STAGES"),
 
 def q4K_stages(which: str, kind: str, geometry: tuple[int, int, int, int]) -> int:
     """The rounds of weights the Q4_K lanes of geometry kind ``kind``, launched at ``geometry`` (NR0,
-    NSG, U, P), stage in threadgroup memory on this backend (:data:`Q4K_STAGES`; a recorded call, what
-    CUDA would run; 0 for none; when staged, their P is unused: a Q6_K matrix of the same multi call
-    keeps it). ``MUSE_MLX_Q4K_STAGES=S`` (0, or 2 to 4) overrides it for every kind,
+    NSG, U, P), stage in threadgroup memory on this backend (:data:`Q4K_STAGES`; 0 for none, and for a
+    recorded call, as on Metal: the emulator's default is the register loads; when staged, their P is
+    unused: a Q6_K matrix of the same multi call keeps it). ``MUSE_MLX_Q4K_STAGES=S`` (0, or 2 to 4) overrides it for every kind,
     ``MUSE_MLX_Q4K_STAGES_GLU``, ``_SINGLE``, ``_MULTI`` for one. Staging takes one block of loads a
     round: at U > 1 the default and ``MUSE_MLX_Q4K_STAGES`` give none, and a kind's own variable is an
     error."""
@@ -312,7 +312,7 @@ _Q6K_STAGES_ENV = {"q6_K": ("MUSE_MLX_Q6K_STAGES",), "q6_K head": ("MUSE_MLX_Q6K
 
 def _stages(table: dict, names: tuple[str, ...], which: str, kind: str, geometry, fits: bool, why: str) -> int:
     """Rounds staged in threadgroup memory for a kind: its variables (the first set wins; 0, or 2 to 4),
-    else ``table`` (a recorded call follows CUDA). Where staging does not fit (``fits`` False:
+    else ``table``. Where staging does not fit (``fits`` False:
     ``why``) the default and a variable shared by several kinds (``names[1:]``) fall back to 0, and
     the kind's own variable (``names[0]``) is an error."""
     for k, name in enumerate(names):
@@ -325,7 +325,7 @@ def _stages(table: dict, names: tuple[str, ...], which: str, kind: str, geometry
                     return 0
                 raise ValueError(f"{name}={env}: {why} (geometry {'x'.join(map(str, geometry))})")
             return int(env)
-    stages = table.get("cuda" if which == "record" else which, {}).get(kind, 0)
+    stages = table.get(which, {}).get(kind, 0)
     return stages if fits else 0
 
 
