@@ -63,7 +63,7 @@ MUSE_FN int dot4_i8(uint a, int b, int c) {
 }
 
 // Copies of 16 bytes from device into threadgroup memory that a SIMD group issues now and uses
-// later (the staged Q4_K loads, q4K_stage_round). On NVIDIA an asynchronous copy (cp.async, sm_80
+// later (the staged weight loads, stage_copies). On NVIDIA an asynchronous copy (cp.async, sm_80
 // and later): no register holds the bytes while they are in flight, stage_commit closes a group of
 // them and stage_wait<N> waits until at most N groups are still in flight (this thread's copies;
 // the other lanes' need a simdgroup_barrier after it). Elsewhere a plain copy, done at once.
