@@ -780,12 +780,12 @@ MUSE_FN float lane_group_sum(float v) {
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
-    threadgroup uint4 stage[NSG * (S ? S : 1) * 36 * NR0];
+    threadgroup uint4 stage[S ? NSG * S * 36 * NR0 : 1];  // S = 0: unused (Metal allocates what is declared)
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
     row_sums<0, NR0, U, P, HALVES, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
-                                         stage + sgitg * (S ? S : 1) * 36 * NR0);
+                                         stage + sgitg * S * 36 * NR0);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -802,10 +802,10 @@ MUSE_FN float lane_group_sum(float v) {
     const uint t = threadgroup_position_in_grid.z;
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
-    threadgroup uint4 stage[NSG * (S ? S : 1) * 26 * NR0];
+    threadgroup uint4 stage[S ? NSG * S * 26 * NR0 : 1];
     float sumf[NR0];
     row_sums<1 + SPLIT, NR0, U, P, 0, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
-                                            stage + sgitg * (S ? S : 1) * 26 * NR0);
+                                            stage + sgitg * S * 26 * NR0);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -838,8 +838,8 @@ MUSE_FN float lane_group_sum(float v) {
     } else if (tg >= g0) {
         tg -= g0; w = w1; rows = R1; out0 = R0; type = Y1;
     }
-    threadgroup uint4 stage[NSG * (S ? S : 1) * 36 * NR0];
-    MUSE_TG uint4* own = stage + sgitg * (S ? S : 1) * 36 * NR0;
+    threadgroup uint4 stage[S ? NSG * S * 36 * NR0 : 1];  // S = 0: unused (Metal allocates what is declared)
+    MUSE_TG uint4* own = stage + sgitg * S * 36 * NR0;
     const uint first_row = (tg * NSG + sgitg) * NR0;
     if (first_row >= rows) return;
     float sumf[NR0];
@@ -870,7 +870,7 @@ MUSE_FN float lane_group_sum(float v) {
     const uint tiisg = thread_position_in_threadgroup.x;
     const uint sgitg = thread_position_in_threadgroup.y;
     const uint t = threadgroup_position_in_grid.z;
-    threadgroup uint4 stage[NSG * (S ? S : 1) * 72 * NR0];  // S: the 2 NR0 rows' staged weights
+    threadgroup uint4 stage[S ? NSG * S * 72 * NR0 : 1];  // S: the 2 NR0 rows' staged weights
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;
     const uint nb = K / 256;
@@ -883,7 +883,7 @@ MUSE_FN float lane_group_sum(float v) {
         q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, TYPE == 0 ? S : 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
                                                        PREP ? ys + (ulong)t * K : yt,
                                                        PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf,
-                                                       stage + sgitg * (S ? S : 1) * 72 * NR0);
+                                                       stage + sgitg * S * 72 * NR0);
     } else {
         // split (TYPE 2): each matrix's d's follow its ROWS rows' bodies
         device const half* gd = (device const half*)(wg + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
