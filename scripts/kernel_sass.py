@@ -331,6 +331,11 @@ def weights_in_loop(name: str, lp) -> tuple[int, str] | None:
         # q4K_lane_sums: per block-row one uint4 header + two uint2 quant runs (LDG.E.64); 32 weights
         br = ldg["64"] // 2
         return 32 * br, f"{br} block-row(s) x 32"
+    lds = mem_widths(body, "LDS")
+    if name in ("mul_mv_q4_K_f32", "mul_mv_glu_f32", "mul_mv_multi_f32") and lds["64"] and not ldg["U16"]:
+        # staged (q4K_stage_round): the same three words per block-row, read from threadgroup memory
+        br = lds["64"] // 2
+        return 32 * br, f"{br} block-row(s) x 32, staged"
     if name == "mul_mv_q4_K_q8_multi" and opcode_counts(body)["IDP"]:
         br = opcode_counts(body)["IDP"] // 16  # 16 dp4a per block-row (two sub-blocks of 32)
         return 64 * br, f"{br} block-row(s) x 64"
