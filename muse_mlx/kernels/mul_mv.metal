@@ -63,12 +63,13 @@ MUSE_FN int dot4_i8(uint a, int b, int c) {
 }
 
 // Copies of 16 bytes from device into threadgroup memory that a SIMD group issues now and uses
-// later (the staged weight loads, stage_copies). On NVIDIA an asynchronous copy (cp.async, sm_80
-// and later): no register holds the bytes while they are in flight, stage_commit closes a group of
+// later (the staged weight loads, stage_copies). On NVIDIA from sm_80 on an asynchronous copy
+// (cp.async): no register holds the bytes while they are in flight, stage_commit closes a group of
 // them and stage_wait<N> waits until at most N groups are still in flight (this thread's copies;
-// the other lanes' need a simdgroup_barrier after it). Elsewhere a plain copy, done at once.
+// the other lanes' need a simdgroup_barrier after it). Elsewhere (older NVIDIA GPUs too) a plain
+// copy, done at once: the same bytes, so the same bits.
 MUSE_FN void stage_copy16(MUSE_TG uint4* dst, device const uint4* src) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint)__cvta_generic_to_shared(dst)), "l"(src)
                  : "memory");
 #else
@@ -77,14 +78,14 @@ MUSE_FN void stage_copy16(MUSE_TG uint4* dst, device const uint4* src) {
 }
 
 MUSE_FN void stage_commit() {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 
 template <int N>
 MUSE_FN void stage_wait() {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
