@@ -620,6 +620,30 @@ def check_mv_warps(rng, quick):
     compare("decode Q4_K and multi 24 warps == default", "tiny muse-glimmer, 16 tokens", got, base)
 
 
+def q4_kind_calls(rng, quick, var: dict) -> dict:
+    """Per Q4_K kind, calls of the release shapes with edge activations, each launching one kernel of
+    that kind, keyed by the variable ``var`` names for it ("single", "multi", "glu"): the lone kernel
+    (ffn_down, attn_output), the multi kernel (q, k, Q6_K v, gate) and the GLU, the last two plain and
+    prepared. Each call takes ``which``; its name says what it runs."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
+    prep = {kind: prepared(x, kind) for kind in ("q4_K", "q4_K multi")}
+    mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
+    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    return {var["single"]: [
+                (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda which: K.mul_mv_q4_K(h, down, which=which)),
+                (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda which: K.mul_mv_q4_K(a, attn_out, which=which))],
+            var["multi"]: [
+                (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda which: K.mul_mv_multi(x, mats, which=which)),
+                (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
+                 lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep["q4_K multi"]))],
+            var["glu"]: [
+                (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
+                (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared",
+                 lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
+
+
 # The geometries the twentieth session times per Q4_K kind (the lone calls' and the multi kernel's
 # grids run 1.26 and 1.65 waves at their tuned 2x2x1x1; P = 0 and NR0 3 or 4 fit in one).
 KIND_GEOMETRIES = {"MUSE_MLX_MV_GEOMETRY_SINGLE": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
@@ -632,23 +656,8 @@ def check_kind_geometries(rng, quick):
     set through its kind's variable, against the same call at the tuned geometry: all rows, edge
     activations, plain and prepared; then a tiny model's decode with each kind at such a geometry
     against the tuned decode. A geometry must not move a bit."""
-    D, ff = (6656, 19968) if not quick else (512, 768)
-    qw, kvw = (4096, 256) if not quick else (256, 64)
-    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
-    prep = {kind: prepared(x, kind) for kind in ("q4_K", "q4_K multi")}
-    mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
-    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
-    calls = {"MUSE_MLX_MV_GEOMETRY_SINGLE": [
-                 (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda which: K.mul_mv_q4_K(h, down, which=which)),
-                 (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda which: K.mul_mv_q4_K(a, attn_out, which=which))],
-             "MUSE_MLX_MV_GEOMETRY_MULTI": [
-                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda which: K.mul_mv_multi(x, mats, which=which)),
-                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
-                  lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep["q4_K multi"]))],
-             "MUSE_MLX_MV_GEOMETRY": [
-                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
-                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared",
-                  lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
+    calls = q4_kind_calls(rng, quick, {"single": "MUSE_MLX_MV_GEOMETRY_SINGLE", "multi": "MUSE_MLX_MV_GEOMETRY_MULTI",
+                                       "glu": "MUSE_MLX_MV_GEOMETRY"})
     for var, geometries in KIND_GEOMETRIES.items():
         for name, call in calls[var]:  # each call launches one kernel, of the kind ``var`` sets
             want = gpu(call)
@@ -671,22 +680,8 @@ def check_q4_stages(rng, quick):
     lone kernel, the multi kernel and the GLU, all rows, edge activations, plain and prepared; then a
     tiny model's decode with every kind staged against the default decode. Where the bytes come from
     must not move a bit."""
-    D, ff = (6656, 19968) if not quick else (512, 768)
-    qw, kvw = (4096, 256) if not quick else (256, 64)
-    x, h, a = edge_activations(rng, D), edge_activations(rng, ff), edge_activations(rng, qw)
-    prep = {kind: prepared(x, kind) for kind in ("q4_K", "q4_K multi")}
-    mats, down, attn_out = release_q4_matrices(rng, D, ff, qw, kvw)
-    wg, wu = random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
-    calls = {"MUSE_MLX_Q4K_STAGES_SINGLE": [
-                 (f"mul_mv_q4_K_f32 ffn_down {D}x{ff}", lambda which: K.mul_mv_q4_K(h, down, which=which)),
-                 (f"mul_mv_q4_K_f32 attn_output {D}x{qw}", lambda which: K.mul_mv_q4_K(a, attn_out, which=which))],
-             "MUSE_MLX_Q4K_STAGES_MULTI": [
-                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D}", lambda which: K.mul_mv_multi(x, mats, which=which)),
-                 (f"mul_mv_multi_f32 q,k,v(Q6_K),gate x {D} prepared",
-                  lambda which: K.mul_mv_multi(x, mats, which=which, prep=prep["q4_K multi"]))],
-             "MUSE_MLX_Q4K_STAGES_GLU": [
-                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which)),
-                 (f"mul_mv_glu_f32 {ff}x{D} q4_K silu prepared", lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
+    calls = q4_kind_calls(rng, quick, {"single": "MUSE_MLX_Q4K_STAGES_SINGLE", "multi": "MUSE_MLX_Q4K_STAGES_MULTI",
+                                       "glu": "MUSE_MLX_Q4K_STAGES_GLU"})
     for var, named in calls.items():
         for name, call in named:
             with env(var, "0"):
