@@ -648,7 +648,10 @@ def q4_kind_calls(rng, quick, var: dict) -> dict:
 # grids run 1.26 and 1.65 waves at their tuned 2x2x1x1; P = 0 and NR0 3 or 4 fit in one).
 KIND_GEOMETRIES = {"MUSE_MLX_MV_GEOMETRY_SINGLE": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
                    "MUSE_MLX_MV_GEOMETRY_MULTI": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
-                   "MUSE_MLX_MV_GEOMETRY": ("2x2x1x0", "4x2x1x0")}
+                   "MUSE_MLX_MV_GEOMETRY": ("2x2x1x0", "3x2x1x0", "4x2x1x0")}
+# The split Q6_K ffn_down's geometries checked staged against its tuned one (q6_stages): four and
+# three rows a SIMD group, which staging makes room for (fewer registers than P rounds of loads)
+Q6K_STAGED_GEOMETRIES = ("4x2x1x0", "3x2x1x0", "4x4x1x0")
 
 
 def check_kind_geometries(rng, quick):
@@ -716,6 +719,11 @@ def check_q6_stages(rng, quick):
             got = gpu(K.mul_mv_q6_K, h, down, split=True)
         compare(f"mul_mv_q6_K_f32 split S={stages} == registers", f"ffn_down {D}x{ff} edge y", got, want,
                 note="all rows, tuned geometry")
+    for geometry in Q6K_STAGED_GEOMETRIES:  # staged (the default S) at other geometries
+        with env("MUSE_MLX_MV_GEOMETRY_Q6K", geometry):
+            got = gpu(K.mul_mv_q6_K, h, down, split=True)
+        compare(f"mul_mv_q6_K_f32 split staged {geometry} == registers", f"ffn_down {D}x{ff} edge y", got, want,
+                note="all rows")
     del down
     head = split_q6_K(random_blocks(vocab, D, T.Q6_K, rng))
     with env("MUSE_MLX_MV_GEOMETRY_HEAD", "4x4x1x1"):
@@ -733,6 +741,11 @@ def check_q6_stages(rng, quick):
         with env("MUSE_MLX_Q6K_STAGES", stages):
             got = tiny_decode(model, tokens)
         compare(f"decode MUSE_MLX_Q6K_STAGES={stages} == registers", "tiny muse-glimmer, 16 tokens", got, base)
+    for geometry in Q6K_STAGED_GEOMETRIES:
+        with env("MUSE_MLX_MV_GEOMETRY_Q6K", geometry), env("MUSE_MLX_MV_GEOMETRY_HEAD", "4x4x2x0"):
+            got = tiny_decode(model, tokens)
+        compare(f"decode MUSE_MLX_MV_GEOMETRY_Q6K={geometry} staged == registers", "tiny muse-glimmer, 16 tokens",
+                got, base)
 
 
 def check_head_warps(rng, quick):
