@@ -383,19 +383,23 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
         if (cnt > 0) {
+            // the split's CMAX weights (every lane wrote one, 0 past cnt) read before either chain,
+            // all at once: the chains then wait on no load (read inside them, under their guards,
+            // each step waited for its own)
+            float pj[CMAX];
+            for (int jj = 0; jj < CMAX; ++jj) pj[jj] = pk[sg * CMAX + jj];
             if (lane == 0u) {
                 float l = 0.0f;
                 for (int jj = 0; jj < CMAX; ++jj)
-                    if (jj < cnt) l += pk[sg * CMAX + jj];
+                    if (jj < cnt) l += pj[jj];
                 sl[s] = l;
             }
             float o[VPL];
             for (int e = 0; e < VPL; ++e) o[e] = 0.0f;
             for (int jj = 0; jj < CMAX; ++jj) {  // a constant trip count: vlo, vhi stay in registers
                 if (jj < cnt) {
-                    const float pj = pk[sg * CMAX + jj];
                     for (int e = 0; e < VPL; ++e) {
-                        o[e] = fma(pj, half_in_word(e < 2 ? vlo[jj] : vhi[jj], uint(e)), o[e]);
+                        o[e] = fma(pj[jj], half_in_word(e < 2 ? vlo[jj] : vhi[jj], uint(e)), o[e]);
                     }
                 }
             }
