@@ -644,8 +644,9 @@ def q4_kind_calls(rng, quick, var: dict) -> dict:
                  lambda which: K.mul_mv_glu(x, wg, wu, "q4_K", which=which, prep=prep["q4_K"]))]}
 
 
-# The geometries the twentieth session times per Q4_K kind (the lone calls' and the multi kernel's
-# grids run 1.26 and 1.65 waves at their tuned 2x2x1x1; P = 0 and NR0 3 or 4 fit in one).
+# The geometries timed per Q4_K kind: the twentieth session's (the lone calls' and the multi kernel's
+# grids run 1.26 and 1.65 waves at 2x2x1x1; P = 0 and NR0 3 or 4 fit in one), and the GLU at 3x2x1x0,
+# which staging makes room for (twenty-third session).
 KIND_GEOMETRIES = {"MUSE_MLX_MV_GEOMETRY_SINGLE": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
                    "MUSE_MLX_MV_GEOMETRY_MULTI": ("2x2x1x0", "3x2x1x0", "4x2x1x0", "3x2x1x1"),
                    "MUSE_MLX_MV_GEOMETRY": ("2x2x1x0", "3x2x1x0", "4x2x1x0")}
