@@ -24,7 +24,7 @@ from .config import ModelConfig
 from .decode import position_array
 from .layers import Norm
 from .routes import Route
-from .trace import tap
+from .trace import tap, tracing
 
 
 def attention_mask(T: int, offset: int, n_kept: int, window: int):
@@ -121,16 +121,28 @@ class Block(nn.Module):
         qw, kw = cfg.q_width, cfg.kv_width
         ws = [self.attn_q, self.attn_k, self.attn_v] + ([self.attn_gate] if cfg.attn_gate else [])
         y = tap("QKVG", route.project(a, ws), il)  # [1, 1, q | k | v | gate]
-        # the Q/K-norms, RoPE and the f16 K/V for the cache: one dispatch
-        qk, kv = route.qk_rope_pack(y, self.qk_norm_weights() if cfg.qk_norm else None, cfg.rms_eps, pos,
-                                    self.rope_table() if self.use_rope else None, cfg, qw + kw,
-                                    (1, H + Hkv, 1, D), (2, 1, Hkv, 1, D))
-        qk, kv = tap("QKcur", qk, il), tap("kv_cache", kv, il)
+        norm_w = self.qk_norm_weights() if cfg.qk_norm else None
+        rope = self.rope_table() if self.use_rope else None
         # q*q_scale then a scale of 1 is, bit for bit, the kernel's q*scale with scale = q_scale
         scale = cfg.kq_scale if cfg.q_scale is None else cfg.q_scale
-        cache.write_token(kv, slot)
-        o = route.attn_decode(qk, cache.kv, pos, cache.decode_geometry(), scale, H,
-                              y if cfg.attn_gate else None, qw + 2 * kw, (1, 1, qw))
+        gate = y if cfg.attn_gate else None
+        if route.takes_norms_into_attention(cfg, cache.kv) and not tracing():
+            # the norms and RoPE inside the attention's dispatch, which reads the token's own K/V from
+            # registers and hands them out for the cache's slot (written after it, off the critical path)
+            o, kv = route.attn_decode_token(y, norm_w, cfg.rms_eps, pos, rope, cfg, cache.kv,
+                                            cache.decode_geometry(), scale, gate, qw + kw, qw + 2 * kw,
+                                            (1, 1, qw), (2, 1, Hkv, 1, D))
+            if getattr(cache, "defer_writes", False):
+                cache.deferred = (kv, slot)  # the caller writes it (DecodeStep: after the forward)
+            else:
+                cache.write_token(kv, slot)
+        else:
+            # the Q/K-norms, RoPE and the f16 K/V for the cache: one dispatch (its outputs are traced)
+            qk, kv = route.qk_rope_pack(y, norm_w, cfg.rms_eps, pos, rope, cfg, qw + kw,
+                                        (1, H + Hkv, 1, D), (2, 1, Hkv, 1, D))
+            qk, kv = tap("QKcur", qk, il), tap("kv_cache", kv, il)
+            cache.write_token(kv, slot)
+            o = route.attn_decode(qk, cache.kv, pos, cache.decode_geometry(), scale, H, gate, qw + 2 * kw, (1, 1, qw))
         o = tap("attn_gated" if cfg.attn_gate else "attn_out", o, il)
         return tap("attn_o_proj", route.linear(o, self.attn_output), il)
 

@@ -346,6 +346,20 @@ class PinnedRoute(Route):
             rd=cfg.rope_dims, traditional=cfg.rope_traditional, v_offset=v_offset,
             nth=kernels.norm_threads(cfg.head_dim, self.geometry), qk_shape=qk_shape, kv_shape=kv_shape)
 
+    def takes_norms_into_attention(self, cfg, planes) -> bool:
+        """Whether :meth:`attn_decode_token` serves a token of these planes ([2, 1, HKV, cap, D])."""
+        return kernels.attention.with_its_norms(planes.shape[-2], planes.shape[-1])
+
+    def attn_decode_token(self, y, weights, eps, pos, rope, cfg, planes, geometry, scale, gate, v_offset,
+                          gate_offset, out_shape, kv_shape):
+        """:meth:`qk_rope_pack` and the one-dispatch :meth:`attn_decode` in one dispatch (the same
+        bits): ``(out, kv)``, the token's f16 K/V for the caller to write into the planes."""
+        self.count("attn_decode_fused (+ qk_rope_pack)")
+        return kernels.attention.attn_decode_token(
+            y, weights, eps, pos, rope, planes, geometry, scale, gate, n_head=cfg.n_head, rd=cfg.rope_dims,
+            traditional=cfg.rope_traditional, v_offset=v_offset, nth=kernels.norm_threads(cfg.head_dim, self.geometry),
+            gate_offset=gate_offset, out_shape=out_shape, kv_shape=kv_shape)
+
     def attn_decode(self, q, planes, pos, geometry, scale, n_head, gate, gate_offset, out_shape):
         # one dispatch where the cache is short enough for it, else the partial pass and the combine
         fused = kernels.attention.one_dispatch(planes.shape[-2], planes.shape[-1])

@@ -19,6 +19,11 @@ import numpy as np
 _ACTIVE: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("muse_trace", default=None)
 
 
+def tracing() -> bool:
+    """Whether a trace is active (a fused path that would hide a traced value steps aside then)."""
+    return _ACTIVE.get() is not None
+
+
 def tap(name: str, x: mx.array, layer: int = -1) -> mx.array:
     """Record ``x`` under ``name`` (and ``layer``) if a trace is active; return the value to use."""
     trace = _ACTIVE.get()

@@ -296,6 +296,26 @@ def check_decode_kernels(rng, quick):
         compare("qk_rope_pack (norm, rope, f16 K/V)", f"{h}+{hkv} heads x {d}{' trad' if trad else ' neox'}", qk, want_qk,
                 note="device sin/cos")
         compare("qk_rope_pack f16 K/V", f"{hkv}x{d}", kv.astype(mx.float32), want_kv.astype(mx.float32))
+    # the same norms and RoPE inside the one-dispatch attention (the token's K/V from the kernel's
+    # registers, the planes' slot holding other values) against the two oracles, device exp/sin/cos:
+    # the release geometry at ctx 128 (neox, then traditional), a wrapped ring, no RoPE, the last slot
+    for h, hkv, d, cap, window, pos, trad, rope in ((32, 2, 128, 256, 0, 128, False, True),
+                                                    (32, 2, 128, 256, 0, 128, True, True),
+                                                    (32, 2, 128, 1024, 1024, 3000, False, True),
+                                                    (32, 2, 128, 512, 0, 300, False, False),
+                                                    (8, 2, 64, 1024, 0, 1023, False, True)):
+        rows, v_off = h + hkv, (h + hkv) * d
+        y, w, gate = randn(rng, rows * d + hkv * d + h * d), randn(rng, rows, d), randn(rng, h * d)
+        table = attention.rope_table(d, 10000.0, 1.0) if rope else None
+        kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
+        kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off)
+        got, got_kv = gpu(attention.attn_decode_token, y, w, 1e-6, mx.array([pos], dtype=mx.int32), table, kv,
+                          attention.decode_geometry(cap, window), d ** -0.5, gate, nth=32, **kw)
+        want, want_kv = attention.attn_decode_token_oracle(y, w, 1e-6, pos, table, kv, window, d ** -0.5, gate, d=d,
+                                                           exp=probe("exp"), sin=probe("sin"), cos=probe("cos"), **kw)
+        case = f"{h}x{hkv}x{d} cap {cap} win {window} pos {pos}{' trad' if trad else ''}{'' if rope else ' no rope'}"
+        compare("attn_decode_token (norms, rope, attention)", case, got, want, note="device exp/sin/cos")
+        compare("attn_decode_token f16 K/V", case, got_kv.astype(mx.float32), want_kv.astype(mx.float32))
     qk, w = randn(rng, 34, 128), randn(rng, 34, 128)
     compare("rms_norm_mul per-row weights", "34x128", gpu(K.rms_norm_mul, qk, w, 1e-5),
             rms_norm.rms_norm_mul_oracle(qk, w, 1e-5, None, 32))

@@ -280,7 +280,8 @@ def test_the_attention_form_switch(monkeypatch):
     one-dispatch form); anything else is an error that names the variable."""
     q, kv, _ = _attn_inputs(4, 2, 32, 256, False)
     args = (q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(256, 0), 0.1)
-    for mode, want in (("auto", ["attn_decode_fused"]), ("two", ["attn_decode_partial", "attn_decode_combine"])):
+    for mode, want in (("auto", ["attn_decode_fused"]), ("apart", ["attn_decode_fused"]),
+                       ("two", ["attn_decode_partial", "attn_decode_combine"])):
         monkeypatch.setenv("MUSE_MLX_ATTN", mode)
         Kernel.recorded.clear()
         K.attn_decode(*args, which="record")
@@ -963,6 +964,57 @@ def test_qk_rope_pack_kernel(h, hkv, d, rd, trad, norm, rope):
     assert np.array(got_kv).dtype == np.float16
     assert_bits_equal(got_qk, want_qk)
     assert_bits_equal(got_kv, want_kv)
+
+
+# heads, kv heads, head dim, cache capacity, window, position, traditional, norm, rope, gated: the
+# token in the first, a middle and the last split, a wrapped ring, a window, no norm, no RoPE
+TOKEN_CASES = [(4, 2, 128, 256, 0, 70, True, True, True, True), (4, 2, 64, 128, 128, 300, False, True, True, False),
+               (6, 3, 32, 1024, 100, 600, False, False, True, True), (2, 2, 64, 64, 0, 0, True, True, False, False),
+               (8, 2, 128, 1024, 0, 1023, False, True, True, True), (16, 1, 64, 512, 0, 31, True, True, True, True)]
+
+
+@emulator
+@pytest.mark.parametrize("h,hkv,d,cap,window,pos,trad,norm,rope,gated", TOKEN_CASES)
+def test_attention_with_its_norms_is_the_two_kernels(h, hkv, d, cap, window, pos, trad, norm, rope, gated):
+    """attn_decode_token (qk_rope_pack's norms and RoPE inside the one-dispatch attention, the token's
+    K/V from the kernel's own registers) against qk_rope_pack's oracle, its K/V written into the
+    planes, then the attention's oracle: the same bits, and the same K/V out for the cache. The
+    planes' slot of the token holds other values, so reading it there would show."""
+    rows, v_off = h + hkv, (h + hkv) * d + 16
+    y, gate = arr(v_off + hkv * d + 8), arr(h * d + 40)
+    w = arr(rows, d) if norm else None
+    table = attention.rope_table(d, 10000.0, 0.5) if rope else None
+    kv = mx.array(RNG.standard_normal((2, hkv, cap, d)).astype(np.float16))
+    p, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off)
+    g = gate if gated else None
+    got, got_kv = emulate_recorded(attention.attn_decode_token, y, w, 1e-6, p, table, kv, geom, d ** -0.5, g, nth=32,
+                                   gate_offset=40 if gated else 0, **kw)
+    want, want_kv = attention.attn_decode_token_oracle(
+        y, w, 1e-6, pos, table, kv, window, d ** -0.5, None if g is None else g[40:], d=d, exp=libm("expf"),
+        sin=libm("sinf"), cos=libm("cosf"), **kw)
+    assert_bits_equal(got, want)
+    assert_bits_equal(got_kv, want_kv)
+    # the oracle is the two kernels' oracles as the decode path ran them before: the norms and RoPE,
+    # the K/V written at the token's slot, then the attention over the planes
+    qk, kvn = attention.qk_rope_pack_oracle(y, w, 1e-6, pos, table, rows=rows, hkv=hkv, d=d, rd=d, traditional=trad,
+                                            v_offset=v_off, nth=32, sin=libm("sinf"), cos=libm("cosf"))
+    planes = np.array(kv)
+    planes[:, :, pos % cap] = np.array(kvn)
+    assert_bits_equal(want_kv, kvn)
+    assert_bits_equal(want, attention.attn_decode_oracle(qk, mx.array(planes), pos, window, d ** -0.5,
+                                                         None if g is None else g[40:], exp=libm("expf"), n_head=h))
+
+
+def test_attention_with_its_norms_refuses_what_it_cannot_hold():
+    y, kv = arr(1024), mx.zeros((2, 2, 2048, 64), dtype=mx.float16)
+    args = (y, None, 1e-6, mx.array([5], dtype=mx.int32), None)
+    kw = dict(n_head=4, rd=64, traditional=False, v_offset=384, which="record")
+    with pytest.raises(ValueError, match="at most 1024 cache positions"):
+        attention.attn_decode_token(*args, kv, attention.decode_geometry(2048, 0), 0.1, nth=32, **kw)
+    kv = mx.zeros((2, 2, 256, 64), dtype=mx.float16)
+    with pytest.raises(ValueError, match="one SIMD group"):
+        attention.attn_decode_token(*args, kv, attention.decode_geometry(256, 0), 0.1, nth=64, **kw)
 
 
 def test_qk_rope_pack_oracle_is_norm_then_mlx_rope():

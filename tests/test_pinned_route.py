@@ -420,11 +420,12 @@ def test_fused_ffn_dtype_guard_falls_back(tiny):
     assert model.route.dispatches["ffn_q4k_gate_up_silu_4r2s"] == model.cfg.n_layer
 
 
-def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
+def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny, monkeypatch):
     """Ch 12 §12.5: 2 standalone norms + 2 per layer fused tails; the decode path adds one
-    projection dispatch per layer (q, k, v, gate), one for the Q/K-norms, RoPE and the f16 K/V
-    together, one GLU dispatch (gate, up, SiLU), and one attention dispatch (this cache is short;
-    a long one takes two: the partial pass and the combine)."""
+    projection dispatch per layer (q, k, v, gate), one GLU dispatch (gate, up, SiLU), and one
+    dispatch for the Q/K-norms, RoPE, the f16 K/V and the attention (this cache is short; with a
+    long one, or MUSE_MLX_ATTN=apart, the norms and RoPE are a dispatch of their own, and a long
+    one's attention takes two: the partial pass and the combine)."""
     model = load_model(tiny("muse-glimmer"), "pinned")
     cache = model.make_cache()
     model(mx.array([TOKENS[:5]]), cache)
@@ -433,12 +434,18 @@ def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
     d, L = model.route.dispatches, model.cfg.n_layer
     assert d["rms_norm_mul"] == 2
     assert d["fused_norm_residual_rms_norm_batch_dual_eps"] == 2 * L
-    assert d["mul_mv_multi_f32"] == L and d["mul_mv_glu_q4_K_f32"] == L and d["qk_rope_pack"] == L
-    assert d["attn_decode_fused"] == L and "attn_decode_partial + combine" not in d
+    assert d["mul_mv_multi_f32"] == L and d["mul_mv_glu_q4_K_f32"] == L
+    assert d["attn_decode_fused (+ qk_rope_pack)"] == L
+    assert not {"qk_rope_pack", "attn_decode_fused", "attn_decode_partial + combine"} & set(d)
     # attn_output and ffn_down per layer, and the head
     assert d["mul_mv_q4_K_f32"] + d["mul_mv_q6_K_f32"] == 2 * L + 1
     assert d["dequant_at"] == 1  # the token's embedding row, gathered and dequantized
-    assert sum(d.values()) == 2 + 8 * L + 1 + 1
+    assert sum(d.values()) == 2 + 7 * L + 1 + 1
+    monkeypatch.setenv("MUSE_MLX_ATTN", "apart")
+    model.route.dispatches.clear()
+    model(mx.array([[8]]), cache, last_only=True)
+    assert d["qk_rope_pack"] == L and d["attn_decode_fused"] == L and sum(d.values()) == 2 + 8 * L + 2
+    monkeypatch.delenv("MUSE_MLX_ATTN")
     # past 1,024 cached positions the attention is two dispatches
     long_cache = model.make_cache()
     for c in long_cache:
@@ -449,7 +456,28 @@ def test_dispatches_per_decoded_token_follow_the_seeds_accounting(tiny):
     long = [not attention.fused_fits(c.kv.shape[-2], model.cfg.head_dim) for c in long_cache]
     assert any(long)  # (the sliding-window layers' ring buffers stay short)
     assert model.route.dispatches["attn_decode_partial + combine"] == 2 * sum(long)
-    assert model.route.dispatches.get("attn_decode_fused", 0) == L - sum(long)
+    assert model.route.dispatches["qk_rope_pack"] == sum(long)
+    assert model.route.dispatches.get("attn_decode_fused (+ qk_rope_pack)", 0) == L - sum(long)
+
+
+def test_a_traced_decode_records_the_norms_and_keeps_the_bits(tiny):
+    """Under a trace the decode path launches the Q/K-norms and RoPE on their own, so that their
+    output is recorded (the attention that takes them in would hide it): the same bits either way."""
+    from muse_mlx.trace import Trace
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    a, b = model.make_cache(), model.make_cache()
+    for c in (a, b):
+        model(mx.array([TOKENS[:5]]), c)
+    model.route.dispatches.clear()
+    plain = np.array(model(mx.array([[7]]), a)[0, -1])
+    assert "qk_rope_pack" not in model.route.dispatches
+    with Trace() as t:
+        traced = np.array(model(mx.array([[7]]), b)[0, -1])
+    assert [layer for layer, name, _ in t.entries if name == "QKcur"] == list(range(model.cfg.n_layer))
+    np.testing.assert_array_equal(traced.view(np.uint32), plain.view(np.uint32))
+    for c, d in zip(a, b):
+        np.testing.assert_array_equal(np.array(c.kv).view(np.uint16), np.array(d.kv).view(np.uint16))
 
 
 def test_prefill_dispatches_one_matvec_per_matrix_unless_batched(tiny):

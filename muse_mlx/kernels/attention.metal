@@ -318,9 +318,17 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
 // end. Every float operation is one the two kernels do, in their order (the same oracle, the
 // same bits): the score of a key is the same fma chain over d, a split's sum and output the same
 // chains over its keys, the combine the same chain over splits.
-// inputs: q, kv, pos, geom, scale as attn_decode_partial; gate as attn_decode_combine
-// outputs: out [HKV*G*D]; grid (NTF, HKV*G, 1), threadgroup (NTF, 1, 1); templates G, D, NTF
-// (>= D), CMAX (32: a split's keys are a SIMD group's lanes), SMAX, HKV, GATE, GOFF.
+// NEW = 1 takes the step before it in too (qk_rope_pack, one dispatch less a layer): q is then
+// the projection output y of qk_rope_pack, and the threadgroup makes its own head's q row and its
+// KV head's k row as that kernel does (the same norm at NTH = 32 threads, the same RoPE, then f16
+// for K and V). The token's key and value are read from there, not from the cache, whose write
+// comes after this dispatch (kvnew, [2, HKV, D] f16: written by the first query head of each
+// group, for the caller to scatter into the planes). The same values, so the same bits.
+// inputs: q, kv, pos, geom, scale as attn_decode_partial; gate as attn_decode_combine; nw (its w),
+//         eps, rope as qk_rope_pack (NEW only; any arrays otherwise)
+// outputs: out [HKV*G*D]; kvnew [2, HKV, D] (NEW only); grid (NTF, HKV*G, 1), threadgroup (NTF, 1, 1);
+// templates G, D, NTF (>= D), CMAX (32: a split's keys are a SIMD group's lanes), SMAX, HKV, GATE,
+// GOFF, NEW, and with NEW those of qk_rope_pack: NORM, ROPE, TRAD, RD, VOFF.
 // D is 32, 64 or 128: lane l's output dimensions are VPL*l .. VPL*l + VPL - 1, VPL = D/32.
 // Bound by latency: the first round's loads are issued before the q row is in threadgroup
 // memory, and the serial chains run to constant bounds (with a guard), so their loads are
@@ -342,9 +350,15 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
     threadgroup float sm[SMAX];        // per split: max score,
     threadgroup float sl[SMAX];        // sum of exp,
     threadgroup float so[SMAX * D];    // unnormalized output
+    // NEW: the head's q row and its KV head's k row normed (before RoPE), and the token's K and V
+    // as the cache would hold them (f16, in 16-byte words as the cache rows are read)
+    threadgroup float nrm[NEW ? 2 * D : 1];
+    threadgroup uint4 knew4[NEW ? D / 8 : 1];
+    threadgroup uint4 vnew4[NEW ? D / 8 : 1];
     device const half* kplane = kv + (ulong)kvh * cap * D;
     device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
-    for (uint i = tid; i < D; i += NTF) qs[i] = q[(ulong)h * D + i] * scale[0];
+    if (!NEW)
+        for (uint i = tid; i < D; i += NTF) qs[i] = q[(ulong)h * D + i] * scale[0];
     const int rounds = (used + NSG - 1) / NSG;
     for (int r = 0; r < rounds; ++r) {
         const int s = r * NSG + int(sg);
@@ -372,7 +386,93 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
                 }
             }
         }
-        if (r == 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // qs is written
+        if (NEW && r == 0) {
+            // qk_rope_pack's work for this head, at NTH = 32 (D <= 128: a float4 a lane): SIMD group
+            // 0 the q row, 1 the k row, 2 the value row; issued after the first round's loads
+            const bool own = sg < 2u;
+            const uint row = sg == 0u ? h : HKV * G + kvh;  // query heads, then key heads, in y
+            float4 xv, wv;
+            float cv[VPL], sv[VPL];
+            if (own) {
+                if (lane < uint(D / 4)) {
+                    xv = ((device const float4*)(q + (ulong)row * D))[lane];
+                    if (NORM) wv = ((device const float4*)(nw + (ulong)row * D))[lane];
+                }
+                const float L = rope[0] * float(p_new);
+                for (int k = 0; k < VPL; ++k) {
+                    const uint i = lane + 32u * uint(k);
+                    if (ROPE && i < uint(RD)) {
+                        const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
+                        const uint j = TRAD ? i / 2 : (first ? i : i - RD / 2);
+                        const float theta = L * rope[1 + j];
+                        cv[k] = cos(theta);
+                        sv[k] = sin(theta);
+                    }
+                }
+                float scl = 1.0f;
+                if (NORM) {  // rms_norm_mul's reduction at one SIMD group (its second simd_sum, over
+                             // the group totals padded with zeros, adds only zeros: the identity)
+                    float sumf = 0.0f;
+                    if (lane < uint(D / 4)) sumf += dot(xv, xv);
+                    sumf = simd_sum(sumf);
+                    const float mean = sumf / float(D);
+                    scl = 1.0f / sqrt(mean + eps[0]);
+                }
+                if (lane < uint(D / 4)) {
+                    float4 v = xv;
+                    if (NORM) v = (v * scl) * wv;
+                    for (int e = 0; e < 4; ++e) nrm[sg * D + 4 * lane + e] = v[e];
+                }
+            } else if (sg == 2u) {
+                for (uint i = lane; i < uint(D); i += 32u) {
+                    const half v = half(q[VOFF + kvh * D + i]);
+                    ((MUSE_TG half*)vnew4)[i] = v;
+                    if (h % G == 0u) kvnew[(HKV + kvh) * D + i] = v;
+                }
+            }
+            threadgroup_barrier(mem_flags::mem_threadgroup);  // nrm is written
+            if (own) {
+                for (int k = 0; k < VPL; ++k) {  // RoPE as qk_rope_pack: pairs (2j, 2j+1) or (j, j + RD/2)
+                    const uint i = lane + 32u * uint(k);
+                    float o = nrm[sg * D + i];
+                    if (ROPE && i < uint(RD)) {
+                        const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
+                        const uint partner = TRAD ? (first ? i + 1 : i - 1) : (first ? i + RD / 2 : i - RD / 2);
+                        const float c = cv[k], sn = sv[k];
+                        const float x1 = first ? o : nrm[sg * D + partner];
+                        const float x2 = first ? nrm[sg * D + partner] : o;
+                        o = first ? fma(x1, c, -(x2 * sn)) : fma(x1, sn, x2 * c);
+                    }
+                    if (sg == 0u) {
+                        qs[i] = o * scale[0];
+                    } else {
+                        const half kh = half(o);
+                        ((MUSE_TG half*)knew4)[i] = kh;
+                        if (h % G == 0u) kvnew[kvh * D + i] = kh;
+                    }
+                }
+            }
+        }
+        if (r == 0) threadgroup_barrier(mem_flags::mem_threadgroup);  // qs (and NEW: the token's K, V) written
+        if (NEW && cnt > 0 && j0 + cnt == n) {
+            // this split ends with the token itself (key n - 1, split slot cnt - 1): its key and value
+            // from threadgroup memory (the cache's slot is written after this dispatch)
+            if (int(lane) >= cnt - 1)
+                for (int w = 0; w < D / 8; ++w) k8[w] = knew4[w];
+            for (int jj = 0; jj < CMAX; ++jj) {
+                if (jj >= cnt - 1) {
+                    if (VPL == 4) {
+                        const uint2 w2 = ((MUSE_TG const uint2*)vnew4)[lane];
+                        vlo[jj] = w2.x;
+                        vhi[jj] = w2.y;
+                    } else if (VPL == 2) {
+                        vlo[jj] = ((MUSE_TG const uint*)vnew4)[lane];
+                    } else {
+                        vlo[jj] = uint(((MUSE_TG const ushort*)vnew4)[lane]);
+                    }
+                }
+            }
+        }
         if (cnt > 0) {
             float acc = 0.0f;
             for (int w = 0; w < D / 8; ++w)

@@ -36,7 +36,8 @@ _QK_ROPE_PACK = Kernel("attention", "qk_rope_pack", ["y", "w", "eps", "pos", "ro
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
                   ["part_m", "part_l", "part_o"])
 _COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom", "pos"], ["out"])
-_FUSED = Kernel("attention", "attn_decode_fused", ["q", "kv", "pos", "geom", "scale", "gate"], ["out"])
+_FUSED = Kernel("attention", "attn_decode_fused", ["q", "kv", "pos", "geom", "scale", "gate", "nw", "eps", "rope"],
+                ["out", "kvnew"])
 KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE, _FUSED)
 
 
@@ -61,13 +62,24 @@ def fused_fits(cap: int, d_head: int) -> bool:
     return splits_for(cap) <= FUSED_SPLITS and d_head in (32, 64, 128)
 
 
+def _attn_mode() -> str:
+    mode = os.environ.get("MUSE_MLX_ATTN", "auto")
+    if mode not in ("auto", "apart", "two"):
+        raise ValueError(f"MUSE_MLX_ATTN={mode!r}: expected auto, apart or two")
+    return mode
+
+
 def one_dispatch(cap: int, d_head: int) -> bool:
     """The default form of :func:`attn_decode`: one dispatch wherever it fits, unless
     ``MUSE_MLX_ATTN=two`` asks for the partial pass and the combine everywhere (to compare them)."""
-    mode = os.environ.get("MUSE_MLX_ATTN", "auto")
-    if mode not in ("auto", "two"):
-        raise ValueError(f"MUSE_MLX_ATTN={mode!r}: expected auto or two")
-    return mode == "auto" and fused_fits(cap, d_head)
+    return _attn_mode() != "two" and fused_fits(cap, d_head)
+
+
+def with_its_norms(cap: int, d_head: int) -> bool:
+    """Whether the decode path takes a token's Q/K-norms and RoPE into its one-dispatch attention
+    (:func:`attn_decode_token`): wherever that fits, unless ``MUSE_MLX_ATTN`` is ``apart``
+    (:func:`qk_rope_pack` launched on its own, to compare them) or ``two``."""
+    return _attn_mode() == "auto" and fused_fits(cap, d_head)
 
 
 def decode_geometry(cap: int, window: int) -> mx.array:
@@ -210,11 +222,11 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
         return out.reshape(shape)
     g_per = h // hkv
     if fused:
-        template = [("G", g_per), ("D", d_head), ("NTF", NTF), ("CMAX", CMAX), ("SMAX", FUSED_SPLITS),
-                    ("HKV", hkv), ("GATE", int(gate is not None)), ("GOFF", gate_offset)]
-        (out,) = _FUSED(
-            [q.astype(F32), kv, pos, geom, constant(float(scale), F32), q if gate is None else gate.astype(F32)],
-            [shape], [F32], grid=(NTF, h, 1), threadgroup=(NTF, 1, 1), template=template, which=which,
+        q32 = q.astype(F32)
+        out, _ = _FUSED(
+            [q32, kv, pos, geom, constant(float(scale), F32), q32 if gate is None else gate.astype(F32), q32, q32, q32],
+            [shape, (1,)], [F32, mx.float16], grid=(NTF, h, 1), threadgroup=(NTF, 1, 1),
+            template=_fused_template(g_per, d_head, hkv, gate is not None, gate_offset), which=which,
         )
         return out
     splits = splits_for(cap)
@@ -232,3 +244,60 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
         which=which,
     )
     return out
+
+
+def _fused_template(g_per: int, d_head: int, hkv: int, gated: bool, gate_offset: int, new=None) -> list:
+    """attn_decode_fused's template; ``new``: qk_rope_pack's (NORM, ROPE, TRAD, RD, VOFF) for NEW = 1."""
+    norm, rope, trad, rd, voff = new or (0, 0, 0, 0, 0)
+    return [("G", g_per), ("D", d_head), ("NTF", NTF), ("CMAX", CMAX), ("SMAX", FUSED_SPLITS), ("HKV", hkv),
+            ("GATE", int(gated)), ("GOFF", gate_offset), ("NEW", int(new is not None)), ("NORM", norm),
+            ("ROPE", rope), ("TRAD", trad), ("RD", rd), ("VOFF", voff)]
+
+
+def attn_decode_token_oracle(y, w, eps, pos: int, rope, kv, window: int, scale: float, gate=None, *, n_head, d, rd,
+                             traditional, v_offset, exp=fp.exp, sin=fp.sin, cos=fp.cos):
+    """:func:`qk_rope_pack_oracle`, its K/V written into (a copy of) the planes at the token's slot,
+    then :func:`attn_decode_oracle`: ``(out [H*D], kv [2, HKV, D] f16)``."""
+    hkv, cap = kv.shape[-3], kv.shape[-2]
+    qk, kvn = qk_rope_pack_oracle(y, w, eps, pos, rope, rows=n_head + hkv, hkv=hkv, d=d, rd=rd,
+                                  traditional=traditional, v_offset=v_offset, nth=32, sin=sin, cos=cos)
+    with mx.stream(CPU):
+        planes = kv.reshape(2, hkv, cap, d)
+        slot = pos % cap
+        planes = mx.concatenate([planes[:, :, :slot], kvn[:, :, None], planes[:, :, slot + 1 :]], axis=2)
+    return attn_decode_oracle(qk, planes, pos, window, scale, gate, exp=exp, n_head=n_head), kvn
+
+
+def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array, scale: float, gate=None, *,
+                      n_head: int, rd: int, traditional: bool, v_offset: int, nth: int, gate_offset: int = 0,
+                      out_shape=None, kv_shape=None, which=None):
+    """:func:`qk_rope_pack` and the one-dispatch :func:`attn_decode` in one dispatch: a token's
+    attention straight from its projection output ``y`` (query heads, key heads, and V at
+    ``v_offset``), with the same bits as the two. The token's K/V are read from the kernel's own
+    registers, not from ``kv``, which the caller writes afterwards: returns ``(out [n_head*D],
+    kv [2, HKV, D] f16)`` (or the shapes given), the second for the cache's slot of ``pos``.
+    Takes what the one-dispatch attention takes (:func:`fused_fits`), with the norm's reduction at
+    ``nth`` = 32 threads (every head of at most 128 has it under either norm geometry)."""
+    which = which or backend()
+    hkv, cap, d_head = kv.shape[-3:]
+    if not fused_fits(cap, d_head):
+        raise ValueError(f"attn_decode_token takes at most {FUSED_SPLITS * CMAX} cache positions and heads "
+                         f"of 32, 64 or 128; got {cap} positions of {d_head}")
+    if nth != 32:
+        raise ValueError(f"attn_decode_token reduces a head's norm with one SIMD group (32 threads), not {nth}")
+    shape = (n_head * d_head,) if out_shape is None else tuple(out_shape)
+    kv_shape = (2, hkv, d_head) if kv_shape is None else tuple(kv_shape)
+    if which == "cpu":
+        g = None if gate is None else gate.reshape(-1)[gate_offset:]
+        out, kvn = attn_decode_token_oracle(y, w, eps, int(pos.reshape(-1)[0].item()), rope, kv, int(geom[1].item()),
+                                            scale, g, n_head=n_head, d=d_head, rd=rd, traditional=traditional,
+                                            v_offset=v_offset)
+        return out.reshape(shape), kvn.reshape(kv_shape)
+    y32 = y.astype(F32)
+    new = (int(w is not None), int(rope is not None), int(traditional), rd, v_offset)
+    return tuple(_FUSED(
+        [y32, kv, pos, geom, constant(float(scale), F32), y32 if gate is None else gate.astype(F32),
+         y32 if w is None else w.astype(F32), constant(float(eps), F32), y32 if rope is None else rope],
+        [shape, kv_shape], [F32, mx.float16], grid=(NTF, n_head, 1), threadgroup=(NTF, 1, 1),
+        template=_fused_template(n_head // hkv, d_head, hkv, gate is not None, gate_offset, new), which=which,
+    ))
