@@ -173,6 +173,33 @@ def test_sliding_cache_memory_is_bounded_over_long_decode(tiny):
     assert len(set(sizes[10:])) == 1 and sizes[10] < sizes[-1] + 1
 
 
+def test_decode_step_writes_the_handed_out_kv_after_its_forward(tiny, monkeypatch):
+    """The attention with its norms hands the token's K/V out; DecodeStep writes them after the
+    forward, in a graph of their own (MUSE_MLX_KV_WRITE=end, the default), or after each attention
+    (layer): the same logits and planes, bit for bit, either way; any other value is an error."""
+    from muse_mlx.decode import DecodeStep
+
+    model = load_model(tiny("muse-glimmer"), "pinned")
+    runs = {}
+    for mode in ("end", "layer"):
+        monkeypatch.setenv("MUSE_MLX_KV_WRITE", mode)
+        cache = model.make_cache()
+        model(mx.array([TOKENS[:6]]), cache)
+        step = DecodeStep(model, cache, capacity=64, compiled=False)
+        logits = [np.array(step(mx.array([t]))) for t in TOKENS[6:12]]
+        assert step._deferred == [mode == "end"] * model.cfg.n_layer
+        runs[mode] = logits, [np.array(c.kv) for c in cache], [c.offset for c in cache]
+    (la, pa, oa), (lb, pb, ob) = runs["end"], runs["layer"]
+    assert oa == ob == [12] * model.cfg.n_layer
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+    monkeypatch.setenv("MUSE_MLX_KV_WRITE", "later")
+    with pytest.raises(ValueError, match="MUSE_MLX_KV_WRITE='later'"):
+        step(mx.array([3]))
+
+
 def test_decode_step_equals_the_models_own_decode_path(tiny):
     """DecodeStep passes position and slots as arrays (so a GPU can replay one compiled trace);
     the arithmetic is the decode path's, bit for bit, and the caches advance the same way."""
