@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import gpu_timeline as gt  # noqa: E402
 
 
-def rec(name, start, end):
-    return dict(kind="kernel", name=name, start=start, end=end, stream=7)
+def rec(name, start, end, stream=7):
+    return dict(kind="kernel", name=name, start=start, end=end, stream=stream)
 
 
 def test_summary_of_a_hand_built_timeline():
@@ -33,6 +33,10 @@ def test_summary_of_a_hand_built_timeline():
     assert rows["a"]["gap_ms_per_token"] == pytest.approx(40e-3 / 2)
     assert rows["b"]["gap_ms_per_token"] == pytest.approx(5e-3 / 2)
     assert [e["name"] for e in s["by_name"]] == ["a", "b", "c"]  # by total time
+    assert s["streams"] == 1 and s["on_busiest_stream"] == 1.0
+    recs[3] = rec("c", 45_000, 60_000, stream=9)  # a branch on a stream of its own
+    s = gt.summarize(recs, tokens=2)
+    assert s["streams"] == 2 and s["on_busiest_stream"] == pytest.approx(4 / 5)
 
 
 def test_summary_without_records_is_an_error():
