@@ -30,6 +30,24 @@ MUSE_FN float half_of(uint4 w, uint e) {
 // forms of the attention end with it.
 MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g))); }
 
+// RoPE's pairs, for element i < rd of a head row: (2j, 2j+1) (trad) or (j, j + rd/2). Whether i is
+// its pair's first member, the pair's frequency index j, and the other member; qk_rope_pack and
+// the attention with its norms (NEW) both rotate with these.
+MUSE_FN bool rope_first(uint i, uint rd, bool trad) { return trad ? (i % 2 == 0) : (i < rd / 2); }
+MUSE_FN uint rope_freq(uint i, uint rd, bool trad) {
+    return trad ? i / 2 : (rope_first(i, rd, trad) ? i : i - rd / 2);
+}
+MUSE_FN uint rope_partner(uint i, uint rd, bool trad) {
+    const bool first = rope_first(i, rd, trad);
+    return trad ? (first ? i + 1 : i - 1) : (first ? i + rd / 2 : i - rd / 2);
+}
+// o rotated with its pair's other member: x1' = fma(x1, cos, -(x2 * sin)), x2' = fma(x1, sin, x2 * cos).
+MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
+    const float x1 = first ? o : other;
+    const float x2 = first ? other : o;
+    return first ? fma(x1, c, -(x2 * sn)) : fma(x1, sn, x2 * c);
+}
+
 // ==== kernel: qk_rope_pack
 // The decode path's step from the projections to the attention: the Q- and K-norms (NORM),
 // RoPE (ROPE) and the f16 K/V for the cache, in one dispatch. One threadgroup per head row of
@@ -74,9 +92,7 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
     for (uint k = 0; k < PD; ++k) {
         const uint i = tid + k * NTH;
         if (ROPE && i < RD) {
-            const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
-            const uint j = TRAD ? i / 2 : (first ? i : i - RD / 2);
-            const float theta = L * rope[1 + j];
+            const float theta = L * rope[1 + rope_freq(i, RD, TRAD)];
             cv[k] = cos(theta);
             sv[k] = sin(theta);
         }
@@ -109,14 +125,7 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
         const uint i = tid + k * NTH;
         if (i >= D) break;
         float o = normed[i];
-        if (ROPE && i < RD) {
-            const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
-            const uint partner = TRAD ? (first ? i + 1 : i - 1) : (first ? i + RD / 2 : i - RD / 2);
-            const float c = cv[k], s = sv[k];
-            const float x1 = first ? o : normed[partner];
-            const float x2 = first ? normed[partner] : o;
-            o = first ? fma(x1, c, -(x2 * s)) : fma(x1, s, x2 * c);
-        }
+        if (ROPE && i < RD) o = rope_rotate(o, normed[rope_partner(i, RD, TRAD)], cv[k], sv[k], rope_first(i, RD, TRAD));
         qk[row * D + i] = o;
         if (key_row) {
             kv[kr * D + i] = half(o);
@@ -402,9 +411,7 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
                 for (int k = 0; k < VPL; ++k) {
                     const uint i = lane + 32u * uint(k);
                     if (ROPE && i < uint(RD)) {
-                        const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
-                        const uint j = TRAD ? i / 2 : (first ? i : i - RD / 2);
-                        const float theta = L * rope[1 + j];
+                        const float theta = L * rope[1 + rope_freq(i, RD, TRAD)];
                         cv[k] = cos(theta);
                         sv[k] = sin(theta);
                     }
@@ -432,17 +439,11 @@ MUSE_FN float attn_gate(float o, float g) { return o * (1.0f / (1.0f + exp(-g)))
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);  // nrm is written
             if (own) {
-                for (int k = 0; k < VPL; ++k) {  // RoPE as qk_rope_pack: pairs (2j, 2j+1) or (j, j + RD/2)
+                for (int k = 0; k < VPL; ++k) {  // RoPE as qk_rope_pack
                     const uint i = lane + 32u * uint(k);
                     float o = nrm[sg * D + i];
-                    if (ROPE && i < uint(RD)) {
-                        const bool first = TRAD ? (i % 2 == 0) : (i < RD / 2);
-                        const uint partner = TRAD ? (first ? i + 1 : i - 1) : (first ? i + RD / 2 : i - RD / 2);
-                        const float c = cv[k], sn = sv[k];
-                        const float x1 = first ? o : nrm[sg * D + partner];
-                        const float x2 = first ? nrm[sg * D + partner] : o;
-                        o = first ? fma(x1, c, -(x2 * sn)) : fma(x1, sn, x2 * c);
-                    }
+                    if (ROPE && i < uint(RD))
+                        o = rope_rotate(o, nrm[sg * D + rope_partner(i, RD, TRAD)], cv[k], sv[k], rope_first(i, RD, TRAD));
                     if (sg == 0u) {
                         qs[i] = o * scale[0];
                     } else {
