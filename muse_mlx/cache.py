@@ -22,6 +22,10 @@ class _Planes:
     offset = 0
     window = 0  # 0: every past position stays visible
     step = 256  # planes grow this many slots at a time
+    # A DecodeStep's forward leaves the token's K/V to it (defer_writes) rather than writing them
+    # after the attention: the model keeps them here, ``(kv16, slot)``, for write_token.
+    defer_writes = False
+    deferred = None
 
     def _slots_for(self, total: int) -> int:
         """``total`` positions' slots, rounded up to ``step``."""

@@ -105,7 +105,8 @@ class DecodeStep:
             self._pos = position_array(offset)
         pos, planes = self._pos, [c.kv for c in self.cache]  # (a trace leaves its placeholders in the caches)
         logits, self._pos, *outs = self._fn(token.reshape(1, 1).astype(mx.int32), pos, *planes)
-        if any(self._deferred):
+        deferred = any(self._deferred)
+        if deferred:
             # The forward first, on its own: then its CUDA graphs are one chain of kernels. With the
             # writes among them, each write would branch off the chain, and a graph runs a branch on
             # another stream: the chain's next launches then wait across streams (1.2-1.6 us more
@@ -116,7 +117,7 @@ class DecodeStep:
         for c, p in zip(self.cache, outs):  # its buffer (else MLX copies the planes first)
             c.kv = p
             c.offset += 1
-        if any(self._deferred):
+        if deferred:
             mx.async_eval(outs)
         self._offset = offset + 1
         return logits

@@ -126,13 +126,13 @@ class Block(nn.Module):
         # q*q_scale then a scale of 1 is, bit for bit, the kernel's q*scale with scale = q_scale
         scale = cfg.kq_scale if cfg.q_scale is None else cfg.q_scale
         gate = y if cfg.attn_gate else None
-        if route.takes_norms_into_attention(cfg, cache.kv) and not tracing():
+        if route.takes_norms_into_attention(cache.kv) and not tracing():
             # the norms and RoPE inside the attention's dispatch, which reads the token's own K/V from
             # registers and hands them out for the cache's slot (written after it, off the critical path)
             o, kv = route.attn_decode_token(y, norm_w, cfg.rms_eps, pos, rope, cfg, cache.kv,
                                             cache.decode_geometry(), scale, gate, qw + kw, qw + 2 * kw,
                                             (1, 1, qw), (2, 1, Hkv, 1, D))
-            if getattr(cache, "defer_writes", False):
+            if cache.defer_writes:
                 cache.deferred = (kv, slot)  # the caller writes it (DecodeStep: after the forward)
             else:
                 cache.write_token(kv, slot)

@@ -346,7 +346,7 @@ class PinnedRoute(Route):
             rd=cfg.rope_dims, traditional=cfg.rope_traditional, v_offset=v_offset,
             nth=kernels.norm_threads(cfg.head_dim, self.geometry), qk_shape=qk_shape, kv_shape=kv_shape)
 
-    def takes_norms_into_attention(self, cfg, planes) -> bool:
+    def takes_norms_into_attention(self, planes) -> bool:
         """Whether :meth:`attn_decode_token` serves a token of these planes ([2, 1, HKV, cap, D])."""
         return kernels.attention.with_its_norms(planes.shape[-2], planes.shape[-1])
 

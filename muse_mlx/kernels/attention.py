@@ -69,6 +69,12 @@ def _attn_mode() -> str:
     return mode
 
 
+def _require_fused_fit(name: str, cap: int, d_head: int) -> None:
+    if not fused_fits(cap, d_head):
+        raise ValueError(f"{name} takes at most {FUSED_SPLITS * CMAX} cache positions and heads "
+                         f"of 32, 64 or 128; got {cap} positions of {d_head}")
+
+
 def one_dispatch(cap: int, d_head: int) -> bool:
     """The default form of :func:`attn_decode`: one dispatch wherever it fits, unless
     ``MUSE_MLX_ATTN=two`` asks for the partial pass and the combine everywhere (to compare them)."""
@@ -212,9 +218,8 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
     shape = (h * d_head,) if out_shape is None else tuple(out_shape)
     if fused is None:
         fused = one_dispatch(cap, d_head)
-    elif fused and not fused_fits(cap, d_head):
-        raise ValueError(f"attn_decode_fused takes at most {FUSED_SPLITS * CMAX} cache positions and heads "
-                         f"of 32, 64 or 128; got {cap} positions of {d_head}")
+    elif fused:
+        _require_fused_fit("attn_decode_fused", cap, d_head)
     if which == "cpu":
         window = int(geom[1].item())
         g = None if gate is None else gate.reshape(-1)[gate_offset:]
@@ -280,9 +285,7 @@ def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array,
     ``nth`` = 32 threads (every head of at most 128 has it under either norm geometry)."""
     which = which or backend()
     hkv, cap, d_head = kv.shape[-3:]
-    if not fused_fits(cap, d_head):
-        raise ValueError(f"attn_decode_token takes at most {FUSED_SPLITS * CMAX} cache positions and heads "
-                         f"of 32, 64 or 128; got {cap} positions of {d_head}")
+    _require_fused_fit("attn_decode_token", cap, d_head)
     if nth != 32:
         raise ValueError(f"attn_decode_token reduces a head's norm with one SIMD group (32 threads), not {nth}")
     shape = (n_head * d_head,) if out_shape is None else tuple(out_shape)
