@@ -292,6 +292,32 @@ def test_the_attention_form_switch(monkeypatch):
 
 
 @emulator
+@pytest.mark.parametrize("threads", [64, 128, 512])
+@pytest.mark.parametrize("h,hkv,d,cap,window,pos", [(16, 1, 128, 384, 0, 383), (8, 2, 64, 512, 0, 300)])
+def test_partial_pass_threads_change_no_bits(threads, h, hkv, d, cap, window, pos, monkeypatch):
+    """The partial pass at other thread counts (MUSE_MLX_ATTN_PARTIAL_THREADS): fewer threads than
+    dimensions (each takes several, every head), or more (the heads cut into slices): the oracle's bits."""
+    monkeypatch.setenv("MUSE_MLX_ATTN_PARTIAL_THREADS", str(threads))
+    q, kv, g = _attn_inputs(h, hkv, d, cap, True)
+    pos_arr, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    Kernel.recorded.clear()
+    K.attn_decode(q, kv, pos_arr, geom, d ** -0.5, g, fused=False, which="record")
+    call = Kernel.recorded[0]
+    assert call["threadgroup"] == (threads, 1, 1)
+    assert dict(call["template"])["HS"] == attention.head_slices(h // hkv, d, threads)
+    got = emulate_recorded(K.attn_decode, q, kv, pos_arr, geom, d ** -0.5, g, fused=False)
+    assert_bits_equal(got, attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=libm("expf")))
+
+
+def test_partial_pass_thread_count_is_checked(monkeypatch):
+    assert attention.head_slices(16, 128, 256) == 2 and attention.head_slices(16, 128, 64) == 1
+    assert attention.head_slices(6, 64, 256) == 3 and attention.head_slices(5, 32, 256) == 5
+    monkeypatch.setenv("MUSE_MLX_ATTN_PARTIAL_THREADS", "100")
+    with pytest.raises(ValueError, match="MUSE_MLX_ATTN_PARTIAL_THREADS='100'"):
+        attention.partial_threads()
+
+
+@emulator
 def test_per_row_norm_kernel():
     x, w = arr(6, 128), arr(6, 128)
     assert_bits_equal(emulate_recorded(K.rms_norm_mul, x, w, 1e-6), rms_norm.rms_norm_mul_oracle(x, w, 1e-6, None, 32))

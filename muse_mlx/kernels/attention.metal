@@ -140,7 +140,8 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
 // inputs: q (its first HKV*G*D values, float32), kv [2, HKV, CAP, D] (float16), pos (element 0, int32), geom [4]
 //         (int32: cap, window, splits), scale (element 0)
 // outputs: part_m, part_l [HKV, SPLITS, G], part_o [HKV, SPLITS, G, D]
-// grid (NT*SPLITS, HKV, 1), threadgroup (NT, 1, 1); templates G, D, NT, CMAX, HKV
+// grid (NT*SPLITS, HKV, 1), threadgroup (NT, 1, 1); templates G, D, NT, CMAX, HKV, HS (slices of the
+// heads in the output chains: a divisor of G, at most NT/D)
     const uint s = threadgroup_position_in_grid.x;
     const uint kvh = threadgroup_position_in_grid.y;
     const uint tid = thread_position_in_threadgroup.x;
@@ -226,15 +227,21 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
             if (jj < cnt) l += sc[tid * CMAX + jj];
         part_l[part * G + tid] = l;
     }
-    // outputs: one thread per dimension, each head an fma chain over the split's keys in order
-    for (int d = int(tid); d < D; d += NT) {
-        float out[G];
-        for (int g = 0; g < G; ++g) out[g] = 0.0f;
-        for (int jj = 0; jj < cnt; ++jj) {
-            const float v = half_of(kv4[jj * (D / 8) + d / 8], uint(d % 8));
-            for (int g = 0; g < G; ++g) out[g] = fma(sc[g * CMAX + jj], v, out[g]);
+    // outputs: one thread per dimension and slice of G/HS heads (HS slices of D threads when the
+    // threadgroup has that many; HS = 1 otherwise, each thread then every head of its dimensions),
+    // each head an fma chain over the split's keys in order
+    constexpr int GPT = G / HS;
+    const int slice = HS > 1 ? int(tid) / D : 0;
+    if (slice < HS) {
+        for (int d = HS > 1 ? int(tid) % D : int(tid); d < D; d += HS > 1 ? D : NT) {
+            float out[GPT];
+            for (int g = 0; g < GPT; ++g) out[g] = 0.0f;
+            for (int jj = 0; jj < cnt; ++jj) {
+                const float v = half_of(kv4[jj * (D / 8) + d / 8], uint(d % 8));
+                for (int g = 0; g < GPT; ++g) out[g] = fma(sc[(slice * GPT + g) * CMAX + jj], v, out[g]);
+            }
+            for (int g = 0; g < GPT; ++g) part_o[((ulong)part * G + slice * GPT + g) * D + d] = out[g];
         }
-        for (int g = 0; g < G; ++g) part_o[((ulong)part * G + g) * D + d] = out[g];
     }
 
 // ==== kernel: attn_decode_combine

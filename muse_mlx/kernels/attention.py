@@ -25,7 +25,11 @@ F32 = mx.float32
 # ceil(n / CMAX) splits and the combine's serial chain is that long, whatever the capacity; the
 # grid has ceil(cap / CMAX) splits (a static shape) and the empty ones return at once.
 CMAX = 32
-NT = 128  # threads of a partial-pass threadgroup
+# Threads of a partial-pass threadgroup. 256 on the H200 (twenty-fifth session, docs/performance.md):
+# the partial pass is bound by latency (two threadgroups an SM at 4,096 keys), so more threads each
+# carry fewer of the same chains; the output chains are then cut into head slices (head_slices).
+# MUSE_MLX_ATTN_PARTIAL_THREADS overrides it (partial_threads). The bits are the same at any count.
+NT = 256
 CB = 64  # splits whose outputs the combine loads at once
 # attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch
 # instead of two (fused_threadgroup_bytes: under Metal's 32 KB).
@@ -45,6 +49,24 @@ def partial_threadgroup_bytes(g: int, d: int) -> int:
     """Threadgroup memory of the partial pass: the G scaled q rows (padded to D + 4 floats), one
     split's f16 key rows (then its value rows), its scores and the G maxima."""
     return 16 * g * (d // 4 + 1) + 2 * CMAX * d + 4 * g * CMAX + 4 * g
+
+
+def partial_threads() -> int:
+    """Threads of a partial-pass threadgroup: :data:`NT`, or ``MUSE_MLX_ATTN_PARTIAL_THREADS`` (a
+    multiple of 32 from 32 to 1,024)."""
+    env = os.environ.get("MUSE_MLX_ATTN_PARTIAL_THREADS")
+    if not env:
+        return NT
+    if not env.isdigit() or int(env) % 32 or not 32 <= int(env) <= 1024:
+        raise ValueError(f"MUSE_MLX_ATTN_PARTIAL_THREADS={env!r}: expected a multiple of 32 from 32 to 1024")
+    return int(env)
+
+
+def head_slices(g: int, d: int, threads: int = NT) -> int:
+    """How many slices of a KV head's ``g`` query heads the partial pass's output chains are cut into:
+    the most, up to ``threads // d`` (one thread per dimension and slice), that divide ``g``. Each
+    head's chain is the same either way, so the bits are too."""
+    return max(k for k in range(1, max(1, threads // d) + 1) if g % k == 0)
 
 
 def splits_for(cap: int) -> int:
@@ -235,11 +257,12 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
         )
         return out
     splits = splits_for(cap)
-    template = [("G", g_per), ("D", d_head), ("NT", NT), ("CMAX", CMAX), ("HKV", hkv)]
+    nt = partial_threads()
+    template = [("G", g_per), ("D", d_head), ("NT", nt), ("CMAX", CMAX), ("HKV", hkv), ("HS", head_slices(g_per, d_head, nt))]
     part_m, part_l, part_o = _PARTIAL(
         [q.astype(F32), kv, pos, geom, constant(float(scale), F32)],
         [(hkv, splits, g_per), (hkv, splits, g_per), (hkv, splits, g_per, d_head)], [F32, F32, F32],
-        grid=(NT * splits, hkv, 1), threadgroup=(NT, 1, 1), template=template, which=which,
+        grid=(nt * splits, hkv, 1), threadgroup=(nt, 1, 1), template=template, which=which,
     )
     (out,) = _COMBINE(
         [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom, pos], [shape], [F32],
