@@ -309,12 +309,31 @@ def test_partial_pass_threads_change_no_bits(threads, h, hkv, d, cap, window, po
     assert_bits_equal(got, attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=libm("expf")))
 
 
+@emulator
+@pytest.mark.parametrize("splits", [1, 7, 64, 256])
+@pytest.mark.parametrize("h,hkv,d,cap,window,pos", [(2, 1, 32, 16384, 0, 9000), (4, 2, 32, 2048, 0, 1500)])
+def test_combine_load_rounds_change_no_bits(splits, h, hkv, d, cap, window, pos, monkeypatch):
+    """The combine loading its splits' outputs in rounds of other sizes (MUSE_MLX_ATTN_COMBINE_SPLITS;
+    282 and 47 splits hold keys here): the oracle's bits."""
+    monkeypatch.setenv("MUSE_MLX_ATTN_COMBINE_SPLITS", str(splits))
+    q, kv, g = _attn_inputs(h, hkv, d, cap, True)
+    pos_arr, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    Kernel.recorded.clear()
+    K.attn_decode(q, kv, pos_arr, geom, d ** -0.5, g, fused=False, which="record")
+    assert dict(Kernel.recorded[1]["template"])["CB"] == splits
+    got = emulate_recorded(K.attn_decode, q, kv, pos_arr, geom, d ** -0.5, g, fused=False)
+    assert_bits_equal(got, attention.attn_decode_oracle(q, kv, pos, window, d ** -0.5, g, exp=libm("expf")))
+
+
 def test_partial_pass_thread_count_is_checked(monkeypatch):
     assert attention.head_slices(16, 128, 256) == 2 and attention.head_slices(16, 128, 64) == 1
     assert attention.head_slices(6, 64, 256) == 3 and attention.head_slices(5, 32, 256) == 5
     monkeypatch.setenv("MUSE_MLX_ATTN_PARTIAL_THREADS", "100")
     with pytest.raises(ValueError, match="MUSE_MLX_ATTN_PARTIAL_THREADS='100'"):
         attention.partial_threads()
+    monkeypatch.setenv("MUSE_MLX_ATTN_COMBINE_SPLITS", "0")
+    with pytest.raises(ValueError, match="MUSE_MLX_ATTN_COMBINE_SPLITS='0'"):
+        attention.combine_splits()
 
 
 @emulator

@@ -250,7 +250,7 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
 // inputs: part_m, part_l, part_o (as written above), gate (HKV*G*D values from offset GOFF), geom [4],
 //         pos (element 0)
 // outputs: out [HKV*G*D]; grid (D, HKV*G, 1), threadgroup (D, 1, 1); templates G, D, GATE, GOFF,
-// CMAX (keys per split), CB (splits whose outputs are loaded at a time)
+// CMAX (keys per split), CB (splits whose outputs are loaded at a time; the first CB before anything else)
 // Bound by latency at long contexts (128 splits at 4,096 keys), so the threads share the work
 // that does not depend on the dimension: M from each thread's maximum over its own splits, and
 // each split's weight e^(m_s - M) and sum l_s once, by one thread, into threadgroup memory, SCH
@@ -266,6 +266,10 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
     const int n = p_new - first_visible(p_new, window) + 1;
     const int used = splits_used(n, CMAX);
     const uint base = kvh * uint(splits);
+    // The first CB splits' outputs depend on nothing this kernel computes: their loads go out
+    // first, so that their trip to memory overlaps the one for the splits' maxima and sums.
+    float po[CB];
+    for (int u = 0; u < CB; ++u) po[u] = part_o[(ulong)((base + uint(min(u, used - 1))) * G + g) * D + d];
     constexpr int SCH = 8 * D < 1024 ? 8 * D : 1024;  // splits per round in threadgroup memory
     constexpr int NPT = (SCH + D - 1) / D;            // of those, per thread
     threadgroup float red[D];
@@ -312,8 +316,8 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
         threadgroup_barrier(mem_flags::mem_threadgroup);
         // CB splits' outputs at a time, all loads issued before the chain that waits for them
         for (int s = 0; s < cn; s += CB) {
-            float po[CB];
-            for (int u = 0; u < CB; ++u) po[u] = part_o[(ulong)((base + uint(c0 + min(s + u, cn - 1))) * G + g) * D + d];
+            if (c0 > 0 || s > 0)  // (the first CB are loaded above)
+                for (int u = 0; u < CB; ++u) po[u] = part_o[(ulong)((base + uint(c0 + min(s + u, cn - 1))) * G + g) * D + d];
             for (int u = 0; u < CB; ++u) {
                 if (s + u < cn) {
                     num = fma(sw[s + u], po[u], num);

@@ -30,7 +30,11 @@ CMAX = 32
 # carry fewer of the same chains; the output chains are then cut into head slices (head_slices).
 # MUSE_MLX_ATTN_PARTIAL_THREADS overrides it (partial_threads). The bits are the same at any count.
 NT = 256
-CB = 64  # splits whose outputs the combine loads at once
+# Splits whose outputs the combine loads at once (the first CB of them before anything else).
+# MUSE_MLX_ATTN_COMBINE_SPLITS overrides it (combine_splits); the chain is the same either way, so
+# the bits are. On the H200 at ctx 4,096 (twenty-fifth session, docs/performance.md): 5.2 us a layer
+# at 64, against 5.4-5.8 before the first round was loaded first; 8.4 at 128 (174 registers).
+CB = 64
 # attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch
 # instead of two (fused_threadgroup_bytes: under Metal's 32 KB).
 FUSED_SPLITS = 32
@@ -59,6 +63,17 @@ def partial_threads() -> int:
         return NT
     if not env.isdigit() or int(env) % 32 or not 32 <= int(env) <= 1024:
         raise ValueError(f"MUSE_MLX_ATTN_PARTIAL_THREADS={env!r}: expected a multiple of 32 from 32 to 1024")
+    return int(env)
+
+
+def combine_splits() -> int:
+    """Splits whose outputs the combine loads at once: :data:`CB`, or ``MUSE_MLX_ATTN_COMBINE_SPLITS``
+    (1 to 256)."""
+    env = os.environ.get("MUSE_MLX_ATTN_COMBINE_SPLITS")
+    if not env:
+        return CB
+    if not env.isdigit() or not 1 <= int(env) <= 256:
+        raise ValueError(f"MUSE_MLX_ATTN_COMBINE_SPLITS={env!r}: expected 1 to 256")
     return int(env)
 
 
@@ -268,7 +283,7 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
         [part_m, part_l, part_o, q if gate is None else gate.astype(F32), geom, pos], [shape], [F32],
         grid=(d_head, h, 1), threadgroup=(d_head, 1, 1),
         template=[("G", g_per), ("D", d_head), ("GATE", int(gate is not None)), ("GOFF", gate_offset),
-                  ("CMAX", CMAX), ("CB", CB)],
+                  ("CMAX", CMAX), ("CB", combine_splits())],
         which=which,
     )
     return out
