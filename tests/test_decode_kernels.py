@@ -292,7 +292,7 @@ def test_the_attention_form_switch(monkeypatch):
 
 
 @emulator
-@pytest.mark.parametrize("threads", [64, 128, 512])
+@pytest.mark.parametrize("threads", [64, 128, 256, 512])
 @pytest.mark.parametrize("h,hkv,d,cap,window,pos", [(16, 1, 128, 384, 0, 383), (8, 2, 64, 512, 0, 300)])
 def test_partial_pass_threads_change_no_bits(threads, h, hkv, d, cap, window, pos, monkeypatch):
     """The partial pass at other thread counts (MUSE_MLX_ATTN_PARTIAL_THREADS): fewer threads than
@@ -330,7 +330,9 @@ def test_partial_pass_thread_count_is_checked(monkeypatch):
     assert attention.head_slices(6, 64, 256) == 3 and attention.head_slices(5, 32, 256) == 5
     monkeypatch.setenv("MUSE_MLX_ATTN_PARTIAL_THREADS", "100")
     with pytest.raises(ValueError, match="MUSE_MLX_ATTN_PARTIAL_THREADS='100'"):
-        attention.partial_threads()
+        attention.partial_threads("cuda")
+    monkeypatch.delenv("MUSE_MLX_ATTN_PARTIAL_THREADS")
+    assert attention.partial_threads("cuda") == 256 and attention.partial_threads("metal") == 128
     monkeypatch.setenv("MUSE_MLX_ATTN_COMBINE_SPLITS", "0")
     with pytest.raises(ValueError, match="MUSE_MLX_ATTN_COMBINE_SPLITS='0'"):
         attention.combine_splits()

@@ -25,11 +25,14 @@ F32 = mx.float32
 # ceil(n / CMAX) splits and the combine's serial chain is that long, whatever the capacity; the
 # grid has ceil(cap / CMAX) splits (a static shape) and the empty ones return at once.
 CMAX = 32
-# Threads of a partial-pass threadgroup. 256 on the H200 (twenty-fifth session, docs/performance.md):
-# the partial pass is bound by latency (two threadgroups an SM at 4,096 keys), so more threads each
-# carry fewer of the same chains; the output chains are then cut into head slices (head_slices).
-# MUSE_MLX_ATTN_PARTIAL_THREADS overrides it (partial_threads). The bits are the same at any count.
-NT = 256
+# Threads of a partial-pass threadgroup, per backend. 256 on CUDA (twenty-fifth session,
+# docs/performance.md: 10.9 against 12.1 us a layer on the H200 at 4,096 keys): the partial pass is
+# bound by latency (two threadgroups an SM there), so more threads each carry fewer of the same
+# chains, and the output chains are cut into head slices (head_slices). Metal keeps 128 (no Mac here
+# to time it). MUSE_MLX_ATTN_PARTIAL_THREADS overrides it (partial_threads); the bits are the same
+# at any count.
+NT = 128
+PARTIAL_THREADS = {"cuda": 256, "record": 256}  # (a recorded call follows CUDA's, as kernel_sass.py expects)
 # Splits whose outputs the combine loads at once (the first CB of them before anything else).
 # MUSE_MLX_ATTN_COMBINE_SPLITS overrides it (combine_splits); the chain is the same either way, so
 # the bits are. On the H200 at ctx 4,096 (twenty-fifth session, docs/performance.md): 5.2 us a layer
@@ -55,12 +58,12 @@ def partial_threadgroup_bytes(g: int, d: int) -> int:
     return 16 * g * (d // 4 + 1) + 2 * CMAX * d + 4 * g * CMAX + 4 * g
 
 
-def partial_threads() -> int:
-    """Threads of a partial-pass threadgroup: :data:`NT`, or ``MUSE_MLX_ATTN_PARTIAL_THREADS`` (a
-    multiple of 32 from 32 to 1,024)."""
+def partial_threads(which: str) -> int:
+    """Threads of a partial-pass threadgroup on backend ``which``: :data:`PARTIAL_THREADS`, else
+    :data:`NT`, or ``MUSE_MLX_ATTN_PARTIAL_THREADS`` (a multiple of 32 from 32 to 1,024)."""
     env = os.environ.get("MUSE_MLX_ATTN_PARTIAL_THREADS")
     if not env:
-        return NT
+        return PARTIAL_THREADS.get(which, NT)
     if not env.isdigit() or int(env) % 32 or not 32 <= int(env) <= 1024:
         raise ValueError(f"MUSE_MLX_ATTN_PARTIAL_THREADS={env!r}: expected a multiple of 32 from 32 to 1024")
     return int(env)
@@ -77,7 +80,7 @@ def combine_splits() -> int:
     return int(env)
 
 
-def head_slices(g: int, d: int, threads: int = NT) -> int:
+def head_slices(g: int, d: int, threads: int) -> int:
     """How many slices of a KV head's ``g`` query heads the partial pass's output chains are cut into:
     the most, up to ``threads // d`` (one thread per dimension and slice), that divide ``g``. Each
     head's chain is the same either way, so the bits are too."""
@@ -272,7 +275,7 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
         )
         return out
     splits = splits_for(cap)
-    nt = partial_threads()
+    nt = partial_threads(which)
     template = [("G", g_per), ("D", d_head), ("NT", nt), ("CMAX", CMAX), ("HKV", hkv), ("HS", head_slices(g_per, d_head, nt))]
     part_m, part_l, part_o = _PARTIAL(
         [q.astype(F32), kv, pos, geom, constant(float(scale), F32)],
