@@ -58,26 +58,28 @@ def partial_threadgroup_bytes(g: int, d: int) -> int:
     return 16 * g * (d // 4 + 1) + 2 * CMAX * d + 4 * g * CMAX + 4 * g
 
 
+def _count_switch(name: str, default: int, fits, expected: str) -> int:
+    """A whole-number environment switch: ``name``'s value if set (``fits`` it, else an error that
+    says what was ``expected``), else ``default``."""
+    env = os.environ.get(name)
+    if not env:
+        return default
+    if not env.isdigit() or not fits(int(env)):
+        raise ValueError(f"{name}={env!r}: expected {expected}")
+    return int(env)
+
+
 def partial_threads(which: str) -> int:
     """Threads of a partial-pass threadgroup on backend ``which``: :data:`PARTIAL_THREADS`, else
     :data:`NT`, or ``MUSE_MLX_ATTN_PARTIAL_THREADS`` (a multiple of 32 from 32 to 1,024)."""
-    env = os.environ.get("MUSE_MLX_ATTN_PARTIAL_THREADS")
-    if not env:
-        return PARTIAL_THREADS.get(which, NT)
-    if not env.isdigit() or int(env) % 32 or not 32 <= int(env) <= 1024:
-        raise ValueError(f"MUSE_MLX_ATTN_PARTIAL_THREADS={env!r}: expected a multiple of 32 from 32 to 1024")
-    return int(env)
+    return _count_switch("MUSE_MLX_ATTN_PARTIAL_THREADS", PARTIAL_THREADS.get(which, NT),
+                         lambda n: n % 32 == 0 and 32 <= n <= 1024, "a multiple of 32 from 32 to 1024")
 
 
 def combine_splits() -> int:
     """Splits whose outputs the combine loads at once: :data:`CB`, or ``MUSE_MLX_ATTN_COMBINE_SPLITS``
     (1 to 256)."""
-    env = os.environ.get("MUSE_MLX_ATTN_COMBINE_SPLITS")
-    if not env:
-        return CB
-    if not env.isdigit() or not 1 <= int(env) <= 256:
-        raise ValueError(f"MUSE_MLX_ATTN_COMBINE_SPLITS={env!r}: expected 1 to 256")
-    return int(env)
+    return _count_switch("MUSE_MLX_ATTN_COMBINE_SPLITS", CB, lambda n: 1 <= n <= 256, "1 to 256")
 
 
 def head_slices(g: int, d: int, threads: int) -> int:
