@@ -24,15 +24,28 @@ def position_array(offset: int) -> mx.array:
     return in_device_memory(mx.array([offset] * 4, dtype=mx.int32))
 
 
-def writes_after_forward() -> bool:
+def kv_write_mode() -> str:
     """Where a :class:`DecodeStep` writes the K/V that the attention hands out (the attention with
     its norms reads the token's own from registers, so nothing in the forward waits for the
-    write): after the forward, in a graph of their own (``MUSE_MLX_KV_WRITE=end``, the default), or
-    right after each attention (``layer``, as the model's own call does)."""
+    write): after the forward, in a graph of their own (``MUSE_MLX_KV_WRITE=end``, the default), the
+    same with every plane copied first (``end-copy``), or right after each attention (``layer``, as
+    the model's own call does).
+
+    Why ``end-copy``: MLX keeps a kernel's inputs alive until its graph has run, so after the
+    forward a plane can be donated to its write only if the GPU has finished that layer, and MLX
+    copies the others first; how many depends on the GPU's progress, so the writes' CUDA graph
+    changes shape from token to token and MLX instantiates a new one now and then (1-1.6 ms of host
+    time on the H200, docs/performance.md, twenty-sixth session). Copying every plane gives the
+    graph one shape. The values written are the same in every mode."""
     mode = os.environ.get("MUSE_MLX_KV_WRITE", "end")
-    if mode not in ("end", "layer"):
-        raise ValueError(f"MUSE_MLX_KV_WRITE={mode!r}: expected end or layer")
-    return mode == "end"
+    if mode not in ("end", "end-copy", "layer"):
+        raise ValueError(f"MUSE_MLX_KV_WRITE={mode!r}: expected end, end-copy or layer")
+    return mode
+
+
+def writes_after_forward() -> bool:
+    """Whether the K/V writes come after the forward (:func:`kv_write_mode` ``end`` or ``end-copy``)."""
+    return kv_write_mode() != "layer"
 
 
 class DecodeStep:
@@ -113,11 +126,16 @@ class DecodeStep:
             # before several kernels a layer on the H200, which ate what the fusion saved).
             mx.async_eval(logits, self._pos)
             outs = self._write_fn(pos, *planes, *outs)
-        del planes  # the old planes' last references but the writes' own: each write can then reuse
-        for c, p in zip(self.cache, outs):  # its buffer (else MLX copies the planes first)
+        # Dropping the old planes' last references but the writes' own lets each write reuse its
+        # buffer where the GPU is done with it (else MLX copies the plane first); end-copy holds them
+        # until the writes are queued, so that every plane is copied (kv_write_mode).
+        keep = planes if deferred and kv_write_mode() == "end-copy" else None
+        del planes
+        for c, p in zip(self.cache, outs):
             c.kv = p
             c.offset += 1
         if deferred:
             mx.async_eval(outs)
+        del keep
         self._offset = offset + 1
         return logits
