@@ -56,7 +56,7 @@ from muse_mlx.routes import FLAG_NEEDS, PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
 
-from environment import env, env_settings  # noqa: E402
+from environment import describe_settings, env, env_settings, settings_in_effect  # noqa: E402
 
 THIN_GEOMETRY = Geometry(n_layer=52, n_embd=512, n_ff=1024, n_head=32, n_head_kv=2, head_dim=128, n_ctx=8192,
                          sliding_window=4096, rms_eps=1e-5)
@@ -593,12 +593,14 @@ def main(argv=None) -> int:
         command="python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         geometry=dict(layers=g.n_layer, n_embd=g.n_embd, n_ff=g.n_ff, heads=g.n_head, kv_heads=g.n_head_kv,
                       head_dim=g.head_dim, vocab=vocab),
+        environment=settings_in_effect(),
     )
     if K.backend() == "cuda":
         report["gpu"] = os.popen("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader").read().strip()
     bw = copy_bandwidth(1 << 24 if args.tiny or args.thin else 1 << 27 if args.small else 1 << 30)
     report["copy_tb_s"] = bw / 1e12
     log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s")
+    log(describe_settings(report["environment"]))
 
     if args.sweep or args.tune:
         log("matvec bandwidth per launch geometry (NR0xNSG[xU[xP]]):")

@@ -1,6 +1,7 @@
 """A setting for the span of a measurement: the engine reads its ``MUSE_MLX_*`` variables (launch
 geometries, which q8 kernel) each time it builds a kernel call, so a script sets them around the
-calls it times or records, and puts them back afterwards."""
+calls it times or records, and puts them back afterwards. And the settings a whole run was made
+under (:func:`settings_in_effect`), for its log and report."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def env_settings(specs: list[str]) -> list[tuple[str | None, str | None]]:
             raise ValueError(f"--env-ab: {spec!r} is not NAME=V1,V2,...")
         settings += [(name, v) for v in values.split(",") * 2]
     return settings or [(None, None)]
+
+
+def settings_in_effect() -> dict[str, str]:
+    """The ``MUSE_MLX_*`` and ``MLX_*`` variables set for this process (the engine's switches and
+    MLX's own, such as ``MLX_USE_CUDA_GRAPHS`` or ``MLX_MAX_MB_PER_BUFFER``), by name: what a
+    measurement's figures depend on besides the code and the machine."""
+    return {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("MUSE_MLX_", "MLX_"))}
+
+
+def describe_settings(settings: dict[str, str]) -> str:
+    """One line for a log: ``settings: A=1 B=2``, or that none is set."""
+    return "settings: " + (" ".join(f"{k}={v}" for k, v in settings.items()) or "none set (MUSE_MLX_*, MLX_*)")

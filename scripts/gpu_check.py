@@ -49,7 +49,7 @@ from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm  # 
 from muse_mlx.kernels.backend import Kernel, backend, bounds_of  # noqa: E402
 from muse_mlx.quantizers import quantize  # noqa: E402
 
-from environment import env  # noqa: E402
+from environment import env, settings_in_effect  # noqa: E402
 
 RESULTS: list[dict] = []
 WHICH = backend()  # read once: inside an oracle the default stream is the CPU's
@@ -937,7 +937,7 @@ def main() -> int:
         return 2
     info = dict(date=time.strftime("%Y-%m-%d"), backend=which, mlx=mx.__version__,
                 device=str(mx.device_info() if hasattr(mx, "device_info") else mx.default_device()),
-                python=platform.python_version())
+                python=platform.python_version(), environment=settings_in_effect())
     print(json.dumps(info))
     t0 = time.time()
     crashed = []

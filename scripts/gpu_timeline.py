@@ -425,7 +425,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
     import mlx.core as mx
-    from environment import env, env_settings
+    from environment import describe_settings, env, env_settings, settings_in_effect
     from muse_mlx import load_model
     from muse_mlx.synthetic import RELEASE_VOCAB, ensure_synthetic
     from muse_mlx.writer import MUSE_GLIMMER_30B
@@ -444,7 +444,8 @@ def main(argv=None) -> int:
     ensure_synthetic(path, *((bench.THIN_GEOMETRY, bench.THIN_VOCAB) if args.thin else (MUSE_GLIMMER_30B, RELEASE_VOCAB)),
                      "q4_k_m", 0)
     flag_sets = bench.flag_sets(args.route, args.flags)
-    out = dict(file=str(path), mlx=mx.__version__, cases=[])
+    out = dict(file=str(path), mlx=mx.__version__, environment=settings_in_effect(), cases=[])
+    print(describe_settings(out["environment"]))
     chain = summarize(trace_chain(200, args.cupti), 1)
     print_summary(chain, "a compiled chain of 200 tiny custom kernels")
     out["chain"] = chain

@@ -15,13 +15,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench  # noqa: E402
 
 
-def test_bench_reports_every_route_and_flag(tmp_path):
+def test_bench_reports_every_route_and_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "100")  # a setting the figures depend on: recorded
+    monkeypatch.setenv("MUSE_MLX_Q8_TAIL", "1")
+    monkeypatch.setenv("MUSE_MLX_NOT_A_SWITCH_X", "")
+    monkeypatch.setenv("OTHER_VARIABLE_X", "1")
     out = tmp_path / "r.json"
     rc = bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--parts", "model", "--tokens", "2", "--runs", "1",
                      "--prefill", "8", "--contexts", "4,12", "--flags", ",mv_q8", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["copy_tb_s"] > 0 and r["geometry"]["layers"] == 4
+    env = r["environment"]
+    assert env["MLX_MAX_OPS_PER_BUFFER"] == "100" and env["MUSE_MLX_Q8_TAIL"] == "1"
+    assert env["MUSE_MLX_NOT_A_SWITCH_X"] == "" and "OTHER_VARIABLE_X" not in env
+    assert all(k.startswith(("MLX_", "MUSE_MLX_")) for k in env)
+    assert "MLX_MAX_OPS_PER_BUFFER=100" in capsys.readouterr().out
     names = [e["route"] for e in r["routes"]]
     assert names == ["pinned", "pinned+mv_q8", "stock"]
     L = r["geometry"]["layers"]
