@@ -1182,12 +1182,42 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== part: q8_out
 // OPT-IN, NOT EXACT (flag mv_q8_q6k; MUSE_MLX_Q8_GLU_OUT=0 turns it off): appended to mul_mv_q8_pre's body
 // (kernel mul_mv_q8_pre_q8out, GLU = 1), so that the GLU also writes its output as quantize_q8
-// would, for the ffn_down after it: one dispatch fewer per layer. After a barrier that makes this
-// threadgroup's writes to dst visible to all its threads, one thread per group of 32 rows reads
-// them back and quantizes them (q8_group): the q8 of exactly the values written. R0 must be a
-// multiple of the threadgroup's rows and those of 32 (the wrapper checks), so no SIMD group has
-// left before the barrier.
+// would, for the ffn_down after it: one dispatch fewer per layer. R0 must be a multiple of the
+// threadgroup's rows and those of 32 (the wrapper checks), so no SIMD group has left before the
+// barrier. QL = 0: after a barrier that makes this threadgroup's writes to dst visible to all its
+// threads, one thread per group of 32 rows reads them back and quantizes them (q8_group). QL = 1:
+// the rows' lanes put their values (the same butterflies again, so the same values) into
+// threadgroup memory, and a SIMD group quantizes each group of 32, a value a lane: the maximum by
+// a butterfly of fmax (exact, from 0 as q8_group's is), the same d, 1/d and rounding per value,
+// the sum of the q by an integer butterfly (exact), the words put together from four lanes' bytes.
+// Either way the q8 of exactly the values written.
 // outputs also: oqy [T, R0/4] (uint32), ods [T, R0/16] (per group: d, float(sum q))
+    threadgroup float q8_rows[QL ? NSG * NR0 * (32 / LPR) : 1];  // QL = 1: the threadgroup's rows
+    if (QL == 1) {
+        for (int r = 0; r < NR0; ++r) {
+            const float v = apply_activation<ACT>(lane_group_sum<LPR>(sumf[r]), lane_group_sum<LPR>(sumf[NR0 + r]));
+            if (li == 0) q8_rows[sgitg * per_sg + gi * NR0 + r] = v;
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (uint og = sgitg; og < per_tg / 32; og += NSG) {  // the group of 32 rows this SIMD group quantizes
+            const float v = q8_rows[32 * og + tiisg];
+            const float amax = simd_max(max(fabs(v), 0.0f));  // (a NaN drops out, as in q8_group's loop)
+            const float d = amax / 127.0f;
+            const float id = d != 0.0f ? 1.0f / d : 0.0f;
+            const int q = int(round(v * id));
+            uint word = (uint(q) & 0xFFu) << (8u * (tiisg % 4u));
+            word |= simd_shuffle_xor(word, 1u);
+            word |= simd_shuffle_xor(word, 2u);
+            uint sum = uint(q);
+            for (uint off = 16; off > 0; off >>= 1) sum += simd_shuffle_xor(sum, off);
+            const ulong G = (ulong)t * (R0 / 32) + tg * (per_tg / 32) + og;
+            if (tiisg % 4u == 0u) ((device uint*)oqy)[8 * G + tiisg / 4u] = word;
+            if (tiisg == 0u) {
+                ods[2 * G] = d;
+                ods[2 * G + 1] = float(int(sum));
+            }
+        }
+    } else {
     threadgroup_barrier(mem_flags::mem_device);
     const uint og = sgitg * 32 + tiisg;  // the group of 32 rows this thread quantizes, in the threadgroup
     if (og < per_tg / 32) {
@@ -1201,4 +1231,5 @@ MUSE_FN float lane_group_sum(float v) {
         q4[2 * G + 1] = hi;
         ods[2 * G] = d;
         ods[2 * G + 1] = float(sum);
+    }
     }

@@ -837,6 +837,15 @@ def q8_from_glu() -> bool:
     return _switch("MUSE_MLX_Q8_GLU_OUT", True) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
 
+def q8_out_lanes() -> bool:
+    """How the q8 GLU quantizes its own output (``mul_mv_q8_pre_q8out``, part q8_out): ``0`` (the
+    default), one thread per group of 32 rows, reading them back from device memory after a
+    barrier; ``1``, a SIMD group per group, a value a lane, from threadgroup memory. The same words
+    and scales either way. ``MUSE_MLX_Q8_OUT_LANES``; 1 is prepared for the H200 and not yet timed
+    (the part costs the GLU 1.5-2.7 us a call: docs/performance.md, twenty-sixth session)."""
+    return bool(_switch("MUSE_MLX_Q8_OUT_LANES", False))
+
+
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
     """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q8_pre: ``qy``
     (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
@@ -915,7 +924,8 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         if own_q8:
             dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                      (y.size // K * rows[0] // 16,)],
-                                        [F32, mx.uint32, F32], template=template, **launch)
+                                        [F32, mx.uint32, F32], template=template + [("QL", int(q8_out_lanes()))],
+                                        **launch)
             return dst, (oqy, ods)
         (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
