@@ -853,6 +853,51 @@ def check_decode_step(rng, quick):
     compare("decode step mx.compile == uncompiled", "tiny muse-glimmer, 32 tokens", outs[2], outs[1])
 
 
+def check_q8_outputs(rng, quick):
+    """The opt-in q8 route's prepared hand-offs (twenty-sixth session): the attention with its norms
+    writing its output quantized (attn_decode_fused_q8, MUSE_MLX_Q8_ATTN=1) -- its float output and
+    K/V the plain kernel's, its words and scales quantize_q8's of that output -- and the q8 GLU
+    quantizing its output a SIMD group per 32 rows (MUSE_MLX_Q8_OUT_LANES=1) against one thread per
+    32 rows; then a tiny model's compiled decode with mv_q8 + mv_q8_q6k, with both on and off."""
+    h, hkv, d, cap = (32, 2, 128, 1024) if not quick else (8, 2, 64, 256)
+    rows, v_off = h + hkv, (h + hkv) * d
+    y, gate = randn(rng, v_off + hkv * d + h * d), None
+    w, table = randn(rng, rows, d), attention.rope_table(d, 10000.0, 1.0)
+    kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
+    args = (y, w, 1e-6, mx.array([cap // 2 + 5], dtype=mx.int32), table, kv, attention.decode_geometry(cap, 0),
+            d ** -0.5, gate)
+    kw = dict(n_head=h, rd=d, traditional=False, v_offset=v_off, nth=32)
+    case = f"{h} heads of {d}, ctx {cap // 2 + 6} of {cap}"
+    plain, plain_kv = gpu(attention.attn_decode_token, *args, **kw)
+    out, out_kv, (qy, ds) = gpu(attention.attn_decode_token, *args, q8_out=True, **kw)
+    compare("attn_decode_fused_q8 output, K/V (opt-in mv_q8)", case, mx.concatenate([out, out_kv.astype(mx.float32)
+                                                                                      .reshape(-1)]),
+            mx.concatenate([plain, plain_kv.astype(mx.float32).reshape(-1)]))
+    want_qy, want_ds = mul_mv.quantize_q8_rows(out, which="cpu")
+    compare("attn_decode_fused_q8 d, sum q (opt-in mv_q8)", case, ds, want_ds)
+    compare("attn_decode_fused_q8 int8 words (opt-in mv_q8)", case, mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    x, wg, wu = randn(rng, 1, D), random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
+    q8 = mul_mv.quantize_q8_rows(x, which=WHICH)
+    with env("MUSE_MLX_Q8_PRE_GEOMETRY", "2x4x4x1"):  # (threadgroups of 64 rows: whole groups of 32)
+        with env("MUSE_MLX_Q8_OUT_LANES", "0"):
+            one, (one_qy, one_ds) = gpu(K.mul_mv_q8, x, [(wg, "q4_K"), (wu, "q4_K")], glu="silu", q8=q8, q8_out=True)
+        with env("MUSE_MLX_Q8_OUT_LANES", "1"):
+            lanes, (l_qy, l_ds) = gpu(K.mul_mv_q8, x, [(wg, "q4_K"), (wu, "q4_K")], glu="silu", q8=q8, q8_out=True)
+    case = f"{ff}x{D} silu at 2x4x4x1, lanes against one thread"
+    compare("mul_mv_q8_pre_q8out output (opt-in mv_q8_q6k)", case, lanes, one)
+    compare("mul_mv_q8_pre_q8out d, sum q (opt-in mv_q8_q6k)", case, l_ds, one_ds)
+    compare("mul_mv_q8_pre_q8out int8 words (opt-in mv_q8_q6k)", case, mx.view(l_qy, mx.float32),
+            mx.view(one_qy, mx.float32))
+    model, tokens = tiny_model(rng, 24)
+    model.set_flags(["mv_q8", "mv_q8_q6k"])
+    with env("MUSE_MLX_Q8_ATTN", "0"), env("MUSE_MLX_Q8_OUT_LANES", "0"):
+        base = tiny_decode(model, tokens, True)
+    with env("MUSE_MLX_Q8_ATTN", "1"), env("MUSE_MLX_Q8_OUT_LANES", "1"):
+        both = tiny_decode(model, tokens, True)
+    compare("decode step, q8 hand-offs on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", both, base)
+
+
 def transcendental_ulps(rng, quick=False):
     """The GPU's rsqrt/exp/tanh against correctly rounded values, on 1M arguments each (64K quick:
     the float64 references run on the CPU and took most of a quick run's four minutes)."""
@@ -873,7 +918,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps,
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
-                decode_step=check_decode_step,
+                decode_step=check_decode_step, q8_outputs=check_q8_outputs,
                 transcendentals=transcendental_ulps)
 
 

@@ -1064,6 +1064,31 @@ def test_attention_with_its_norms_is_the_two_kernels(h, hkv, d, cap, window, pos
                                                          None if g is None else g[40:], exp=libm("expf"), n_head=h))
 
 
+@emulator
+@pytest.mark.parametrize("case", [TOKEN_CASES[0], TOKEN_CASES[2], TOKEN_CASES[5]])
+def test_attention_writes_its_output_quantized(case):
+    """attn_decode_fused_q8 (opt-in q8 route, MUSE_MLX_Q8_ATTN=1): the attention with its norms that
+    also writes its output quantized for attn_output: the float output and K/V are the plain
+    kernel's, bit for bit, and the words and (d, sum q) are quantize_q8's of that output (heads of
+    128, 32 and 64 dimensions: four, one and two groups of 32 a head)."""
+    h, hkv, d, cap, window, pos, trad, norm, rope, gated = case
+    rows, v_off = h + hkv, (h + hkv) * d + 16
+    y, gate = arr(v_off + hkv * d + 8), arr(h * d + 40)
+    w = arr(rows, d) if norm else None
+    table = attention.rope_table(d, 10000.0, 0.5) if rope else None
+    kv = mx.array(RNG.standard_normal((2, hkv, cap, d)).astype(np.float16))
+    p, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off, nth=32, gate_offset=40 if gated else 0)
+    args = (y, w, 1e-6, p, table, kv, geom, d ** -0.5, gate if gated else None)
+    got, got_kv, (qy, ds) = emulate_recorded(attention.attn_decode_token, *args, q8_out=True, **kw)
+    plain, plain_kv = emulate_recorded(attention.attn_decode_token, *args, **kw)
+    assert_bits_equal(got, plain)
+    assert_bits_equal(got_kv, plain_kv)
+    want_qy, want_ds = mul_mv.quantize_q8_rows(got, which="cpu")
+    assert np.array_equal(np.array(qy), np.array(want_qy))
+    assert_bits_equal(ds, want_ds)
+
+
 def test_attention_with_its_norms_refuses_what_it_cannot_hold():
     y, kv = arr(1024), mx.zeros((2, 2, 2048, 64), dtype=mx.float16)
     args = (y, None, 1e-6, mx.array([5], dtype=mx.int32), None)

@@ -318,6 +318,44 @@ def test_q8_activations_from_the_tail_change_no_bits(tiny, monkeypatch):
         model(mx.array([[7]]), model.make_cache())
 
 
+def test_q8_attention_hands_attn_output_its_activations_quantized(tiny, monkeypatch):
+    """MUSE_MLX_Q8_ATTN=1 (flag mv_q8): the attention with its norms also returns its output
+    quantized, and each layer's attn_output takes it: quantize_q8's words of exactly that output,
+    and the same decoded logits as without (attn_output at 32 lanes a row either way). On the CPU
+    this checks the hand-off and the values handed over; that the kernel writes those words is
+    test_decode_kernels.py::test_attention_writes_its_output_quantized (emulator)."""
+    from muse_mlx.kernels import mul_mv
+
+    model = load_model(tiny("muse-glimmer"), "pinned", ["mv_q8"])
+    model.kv_dtype = mx.float16
+    real = K.mul_mv_q8
+    handed = []
+
+    def spy(y, weights, *a, q8=None, glu=None, **kw):
+        if q8 is not None and glu is None:  # not the GLU: attn_output
+            want_qy, want_ds = mul_mv.quantize_q8_rows(y, which="cpu")
+            np.testing.assert_array_equal(np.array(q8[0]), np.array(want_qy))
+            np.testing.assert_array_equal(np.array(q8[1]).view(np.uint32), np.array(want_ds).view(np.uint32))
+            handed.append(weights[0][0].shape)
+        return real(y, weights, *a, q8=q8, glu=glu, **kw)
+
+    monkeypatch.setattr(K, "mul_mv_q8", spy)
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("MUSE_MLX_Q8_ATTN", mode)
+        cache = model.make_cache()
+        model(mx.array([TOKENS[:5]]), cache)
+        assert model.route.takes_norms_into_attention(cache[0].kv)
+        handed.clear()
+        out[mode] = np.array(model(mx.array([[7]]), cache))
+        assert len(handed) == (model.cfg.n_layer if mode == "1" else 0)
+        assert "q8" not in model.route._forms  # every quantized output was taken
+    np.testing.assert_array_equal(out["0"].view(np.uint32), out["1"].view(np.uint32))
+    monkeypatch.setenv("MUSE_MLX_Q8_ATTN", "on")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q8_ATTN='on': expected 0 or 1"):
+        model(mx.array([[7]]), model.make_cache())
+
+
 def test_tails_prepare_the_q4_K_matvecs_inputs_where_a_gpu_takes_them(tiny, monkeypatch):
     """On a GPU (here forced: on the CPU the oracles read y either way) each tail that feeds a
     Q4_K projection or GLU also writes its output prepared for it (tail_dual_eps_q4), and the

@@ -520,6 +520,7 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
         threadgroup_barrier(mem_flags::mem_threadgroup);  // pk is rewritten next round; sm, sl, so read below
     }
     // the combine, as attn_decode_combine: one thread per dimension, the splits in order
+    float o = 0.0f;  // (read after the body by part q8_out_attn)
     if (tid < uint(D)) {
         float m_all = -INFINITY;
         for (int s = 0; s < SMAX; ++s)
@@ -532,7 +533,16 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
                 den = fma(w, sl[s], den);
             }
         }
-        float o = num / den;
+        o = num / den;
         if (GATE) o = attn_gate(o, gate[GOFF + h * D + tid]);
         out[h * D + tid] = o;
     }
+
+// ==== part: q8_out_attn
+// OPT-IN, NOT EXACT (flag mv_q8; MUSE_MLX_Q8_ATTN=1): appended to attn_decode_fused's body (kernel
+// attn_decode_fused_q8), so that the attention also writes its output as quantize_q8 would, for
+// the q8 attn_output after it, which then reads it through mul_mv_q8_pre instead of quantizing
+// per threadgroup (at 32 lanes a row the same bits). A head's D outputs are D/32 groups of 32,
+// each one SIMD group's lanes (q8_group_lanes); the float output is the plain kernel's.
+// outputs also: oqy [HKV*G*D/4] (uint32), ods [HKV*G*D/16] (per group: d, float(sum q))
+    if (tid < uint(D)) q8_group_lanes(o, lane, (ulong)h * (D / 32) + sg, oqy, ods);

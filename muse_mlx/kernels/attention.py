@@ -49,7 +49,10 @@ _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom",
 _COMBINE = Kernel("attention", "attn_decode_combine", ["part_m", "part_l", "part_o", "gate", "geom", "pos"], ["out"])
 _FUSED = Kernel("attention", "attn_decode_fused", ["q", "kv", "pos", "geom", "scale", "gate", "nw", "eps", "rope"],
                 ["out", "kvnew"])
-KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE, _FUSED)
+# the same, also writing its output quantized for a q8 attn_output (opt-in route mv_q8, q8_attention)
+_FUSED_Q8 = Kernel("attention", "attn_decode_fused_q8", _FUSED.inputs, ["out", "kvnew", "oqy", "ods"],
+                   uses=("mul_mv",), parts=("attn_decode_fused", "q8_out_attn"))
+KERNELS = (_QK_ROPE_PACK, _PARTIAL, _COMBINE, _FUSED, _FUSED_Q8)
 
 
 def partial_threadgroup_bytes(g: int, d: int) -> int:
@@ -318,14 +321,17 @@ def attn_decode_token_oracle(y, w, eps, pos: int, rope, kv, window: int, scale: 
 
 def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array, scale: float, gate=None, *,
                       n_head: int, rd: int, traditional: bool, v_offset: int, nth: int, gate_offset: int = 0,
-                      out_shape=None, kv_shape=None, which=None):
+                      out_shape=None, kv_shape=None, q8_out: bool = False, which=None):
     """:func:`qk_rope_pack` and the one-dispatch :func:`attn_decode` in one dispatch: a token's
     attention straight from its projection output ``y`` (query heads, key heads, and V at
     ``v_offset``), with the same bits as the two. The token's K/V are read from the kernel's own
     registers, not from ``kv``, which the caller writes afterwards: returns ``(out [n_head*D],
     kv [2, HKV, D] f16)`` (or the shapes given), the second for the cache's slot of ``pos``.
     Takes what the one-dispatch attention takes (:func:`fused_fits`), with the norm's reduction at
-    ``nth`` = 32 threads (every head of at most 128 has it under either norm geometry)."""
+    ``nth`` = 32 threads (every head of at most 128 has it under either norm geometry).
+    ``q8_out`` (the opt-in q8 route): also return the output quantized as
+    :func:`~muse_mlx.kernels.mul_mv.quantize_q8_rows` quantizes it, ``(out, kv, (qy, ds))``, written
+    by the same dispatch (``attn_decode_fused_q8``)."""
     which = which or backend()
     hkv, cap, d_head = kv.shape[-3:]
     _require_fused_fit("attn_decode_token", cap, d_head)
@@ -338,12 +344,19 @@ def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array,
         out, kvn = attn_decode_token_oracle(y, w, eps, int(pos.reshape(-1)[0].item()), rope, kv, int(geom[1].item()),
                                             scale, g, n_head=n_head, d=d_head, rd=rd, traditional=traditional,
                                             v_offset=v_offset)
+        if q8_out:
+            from .mul_mv import quantize_q8_rows
+
+            return out.reshape(shape), kvn.reshape(kv_shape), quantize_q8_rows(out, which)
         return out.reshape(shape), kvn.reshape(kv_shape)
     y32 = y.astype(F32)
     new = (int(w is not None), int(rope is not None), int(traditional), rd, v_offset)
-    return tuple(_FUSED(
+    n_out = n_head * d_head
+    out, kvn, *q8 = (_FUSED_Q8 if q8_out else _FUSED)(
         [y32, kv, pos, geom, constant(float(scale), F32), y32 if gate is None else gate.astype(F32),
          y32 if w is None else w.astype(F32), constant(float(eps), F32), y32 if rope is None else rope],
-        [shape, kv_shape], [F32, mx.float16], grid=(NTF, n_head, 1), threadgroup=(NTF, 1, 1),
+        [shape, kv_shape] + ([(n_out // 4,), (n_out // 16,)] if q8_out else []),
+        [F32, mx.float16] + ([mx.uint32, F32] if q8_out else []), grid=(NTF, n_head, 1), threadgroup=(NTF, 1, 1),
         template=_fused_template(n_head // hkv, d_head, hkv, gate is not None, gate_offset, new), which=which,
-    ))
+    )
+    return (out, kvn, tuple(q8)) if q8_out else (out, kvn)

@@ -681,6 +681,29 @@ MUSE_FN void q8_group(device const float* src, thread int4& lo, thread int4& hi,
     hi.x = int(word[4]); hi.y = int(word[5]); hi.z = int(word[6]); hi.w = int(word[7]);
 }
 
+// One group of 32 values, value `lane` of it in each lane of a whole SIMD group, quantized as
+// q8_group quantizes them, into group G of quantize_q8's layout (words 8G .. 8G+7 of oqy; d and
+// float(sum q) at 2G, 2G+1 of ods): the maximum by a butterfly of fmax (exact in any order, and
+// from 0 as q8_group's loop is, so a NaN drops out the same way), the same d, 1/d and rounding per
+// value, the sum of the q by an integer butterfly (exact), each word put together from four
+// lanes' bytes. Every lane of the SIMD group must call it.
+MUSE_FN void q8_group_lanes(float v, uint lane, ulong G, device uint* oqy, device float* ods) {
+    const float amax = simd_max(max(fabs(v), 0.0f));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = int(round(v * id));
+    uint word = (uint(q) & 0xFFu) << (8u * (lane % 4u));
+    word |= simd_shuffle_xor(word, 1u);
+    word |= simd_shuffle_xor(word, 2u);
+    uint sum = uint(q);
+    for (uint off = 16; off > 0; off >>= 1) sum += simd_shuffle_xor(sum, off);
+    if (lane % 4u == 0u) oqy[8 * G + lane / 4u] = word;
+    if (lane == 0u) {
+        ods[2 * G] = d;
+        ods[2 * G + 1] = float(int(sum));
+    }
+}
+
 // One Q4_K run (the 32 quant bytes of sub-blocks 2tq, 2tq+1 of a block, read as qa, qb after
 // the block's 16-byte header hd) against int8 activations y0..y3 (values 64tq .. 64tq+63 of
 // the block) with group scales dy0/dy1 and sums sy0/sy1: an exact integer dot per sub-block,
@@ -1187,9 +1210,7 @@ MUSE_FN float lane_group_sum(float v) {
 // barrier. QL = 0: after a barrier that makes this threadgroup's writes to dst visible to all its
 // threads, one thread per group of 32 rows reads them back and quantizes them (q8_group). QL = 1:
 // the rows' lanes put their values (the same butterflies again, so the same values) into
-// threadgroup memory, and a SIMD group quantizes each group of 32, a value a lane: the maximum by
-// a butterfly of fmax (exact, from 0 as q8_group's is), the same d, 1/d and rounding per value,
-// the sum of the q by an integer butterfly (exact), the words put together from four lanes' bytes.
+// threadgroup memory, and a SIMD group quantizes each group of 32, a value a lane (q8_group_lanes).
 // Either way the q8 of exactly the values written.
 // outputs also: oqy [T, R0/4] (uint32), ods [T, R0/16] (per group: d, float(sum q))
     threadgroup float q8_rows[QL ? NSG * NR0 * (32 / LPR) : 1];  // QL = 1: the threadgroup's rows
@@ -1199,24 +1220,9 @@ MUSE_FN float lane_group_sum(float v) {
             if (li == 0) q8_rows[sgitg * per_sg + gi * NR0 + r] = v;
         }
         threadgroup_barrier(mem_flags::mem_threadgroup);
-        for (uint og = sgitg; og < per_tg / 32; og += NSG) {  // the group of 32 rows this SIMD group quantizes
-            const float v = q8_rows[32 * og + tiisg];
-            const float amax = simd_max(max(fabs(v), 0.0f));  // (a NaN drops out, as in q8_group's loop)
-            const float d = amax / 127.0f;
-            const float id = d != 0.0f ? 1.0f / d : 0.0f;
-            const int q = int(round(v * id));
-            uint word = (uint(q) & 0xFFu) << (8u * (tiisg % 4u));
-            word |= simd_shuffle_xor(word, 1u);
-            word |= simd_shuffle_xor(word, 2u);
-            uint sum = uint(q);
-            for (uint off = 16; off > 0; off >>= 1) sum += simd_shuffle_xor(sum, off);
-            const ulong G = (ulong)t * (R0 / 32) + tg * (per_tg / 32) + og;
-            if (tiisg % 4u == 0u) ((device uint*)oqy)[8 * G + tiisg / 4u] = word;
-            if (tiisg == 0u) {
-                ods[2 * G] = d;
-                ods[2 * G + 1] = float(int(sum));
-            }
-        }
+        for (uint og = sgitg; og < per_tg / 32; og += NSG)  // the group of 32 rows this SIMD group quantizes
+            q8_group_lanes(q8_rows[32 * og + tiisg], tiisg, (ulong)t * (R0 / 32) + tg * (per_tg / 32) + og,
+                           (device uint*)oqy, ods);
     } else {
     threadgroup_barrier(mem_flags::mem_device);
     const uint og = sgitg * 32 + tiisg;  // the group of 32 rows this thread quantizes, in the threadgroup

@@ -837,6 +837,15 @@ def q8_from_glu() -> bool:
     return _switch("MUSE_MLX_Q8_GLU_OUT", True) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
 
+def q8_from_attention() -> bool:
+    """Whether the one-dispatch attention with its norms also writes its output quantized
+    (``attn_decode_fused_q8``) for the q8 attn_output after it (flag ``mv_q8``), which then reads
+    it through ``mul_mv_q8_pre`` at 32 lanes a row: the per-threadgroup kernel's bits, with no
+    quantization in each of its threadgroups. ``MUSE_MLX_Q8_ATTN=1``; ``0``, the default until the
+    H200 has timed it (prepared in the twenty-sixth session, docs/performance.md)."""
+    return bool(_switch("MUSE_MLX_Q8_ATTN", False))
+
+
 def q8_out_lanes() -> bool:
     """How the q8 GLU quantizes its own output (``mul_mv_q8_pre_q8out``, part q8_out): ``0`` (the
     default), one thread per group of 32 rows, reading them back from device memory after a
