@@ -339,7 +339,7 @@ def weights_in_loop(name: str, lp) -> tuple[int, str] | None:
     if name == "mul_mv_q4_K_q8_multi" and opcode_counts(body)["IDP"]:
         br = opcode_counts(body)["IDP"] // 16  # 16 dp4a per block-row (two sub-blocks of 32)
         return 64 * br, f"{br} block-row(s) x 64"
-    if name in ("mul_mv_q6_K_f32", "mul_mv_glu_f32", "mul_mv_multi_f32", "mul_mv_q4_K_q8_multi") and ldg["U16"]:
+    if name in ("mul_mv_q6_K_f32", "mul_mv_glu_q6K_f32", "mul_mv_multi_f32", "mul_mv_q4_K_q8_multi") and ldg["U16"]:
         # q6K_lane_sums: per block-row three u32 read as ushort pairs + the half d = 7 LDG.E.U16, and the
         # four scales as bytes (U8); in the split form (no byte loads) the half d is the only U16; 16 weights
         br = ldg["U16"] // 7 if ldg["U8"] else ldg["U16"]

@@ -971,7 +971,7 @@ def test_a_bounded_kernel_is_built_apart(monkeypatch):
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", recorder)
     monkeypatch.setattr(mx.fast, "metal_kernel", recorder)
-    k = Kernel("mul_mv", "mul_mv_glu_f32", mul_mv._GLU.inputs, mul_mv._GLU.outputs)
+    k = Kernel("mul_mv", "mul_mv_glu_f32", mul_mv._GLU.inputs, mul_mv._GLU.outputs, parts=mul_mv._GLU.parts)
     plain, bounded = k.build("cuda"), k.build("cuda", (64, 8))
     assert plain is not bounded and k.build("cuda", (64, 8)) is bounded and k.build("cuda") is plain
     assert [m["name"] for m in made] == ["mul_mv_glu_f32", "mul_mv_glu_f32_lb64x8"]

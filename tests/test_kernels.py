@@ -11,6 +11,7 @@ unit of every kernel through nvcc when it is installed. Kernel == oracle on a GP
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from fractions import Fraction
@@ -328,6 +329,53 @@ def record_all_kernels():
     return calls
 
 
+_C_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|[A-Za-z_]\w*|\.?\d[\w.]*|//|/\*|\*/|<<=|>>=|->|'
+                      r"\+\+|--|<<|>>|<=|>=|==|!=|&&|\|\||[-+*/%&|^]=|::|\.\.\.|\S")
+
+
+def _tokens(cuda_text: str) -> tuple[list[str], list[str]]:
+    """(preprocessor lines, the C++ tokens of the rest) of a CUDA source: what the compiler sees.
+    The token split is maximal munch over C's multi-character operators and comment marks, so two
+    tokens that whitespace had kept apart and a squeeze fused would show."""
+    lines = cuda_text.split("\n")
+    pre, code, in_macro = [], [], False
+    for line in lines:
+        if in_macro or line.lstrip().startswith("#"):
+            pre.append(line.strip())
+            in_macro = line.endswith("\\")
+        else:
+            code.append(line)
+    return pre, _C_TOKEN.findall("\n".join(code))
+
+
+def test_squeezed_sources_keep_every_token():
+    """backend._squeeze drops the whitespace that separates no two tokens from the CUDA text (MLX
+    hashes a kernel's whole source at every launch): for every kernel of the release geometry and
+    the prelude, the preprocessor lines and the token sequence are those of the unsqueezed text."""
+    import importlib
+
+    B = importlib.import_module("muse_mlx.kernels.backend")  # (the package's `backend` is the function)
+
+    def unsqueezed(text):
+        return B._ADDRESS_SPACE.sub(lambda m: B._CUDA_SPELLING[m.group(1)], B._compact(text))
+
+    texts = [(B._compact((B.HERE / "prelude.cuh").read_text()), B.cuda_prelude())]
+    seen = set()
+    for c in record_all_kernels():
+        k = c["kernel"]
+        if k.name not in seen:
+            seen.add(k.name)
+            texts += [(unsqueezed(k.body), B.to_cuda(k.body)), (unsqueezed(k.header), B.to_cuda(k.header))]
+    before = after = 0
+    for plain, squeezed in texts:
+        assert _tokens(squeezed) == _tokens(plain)
+        before, after = before + len(plain), after + len(squeezed)
+    assert after < 0.9 * before  # (and it is worth doing)
+    # the cases the rules are for: fusing operators, a comment opener, a string's spaces, a macro
+    sample = 'x = y / *p - -q;\nasm volatile("cp.async.commit_group;\\n" ::: "memory");\n#define A (b)\nreturn -x;\n'
+    assert B._squeeze(sample) == 'x=y/ *p- -q;asm volatile("cp.async.commit_group;\\n" ::: "memory");\n#define A (b)\nreturn-x;\n'
+
+
 def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
     """MLX writes the kernel signature around our body; check it for every kernel and template."""
     for i, c in enumerate(record_all_kernels()):
@@ -366,13 +414,19 @@ def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():
         header = sections(family).get("header", "")
         assert "".join(text for _, text in header_items(header)) == header, family  # a split, nothing lost
     names = lambda kernel: {name for name, _ in header_items(kernel.header)}  # noqa: E731
-    q4 = names(mul_mv._Q4_K)
-    # row_sums reaches both lane loops (its TYPE branch is not resolved in the text), and their helpers
-    assert {"row_sums", "q4K_lane_sums", "q6K_lane_sums", "q4K_block", "u2f_m", "byte_magic"} <= q4
-    assert not q4 & {"q8_group", "q4K_q8_run", "dot4_i8", "q4K_dequant4", "dequant4", "lane_group_sum"}
+    q4, q6 = names(mul_mv._Q4_K), names(mul_mv._Q6_K)
+    # the lone kernels call the row sums of their own type: neither carries the other's lane loop
+    assert {"row_sums_q4K", "q4K_lane_sums", "q4K_block", "u2f_m"} <= q4
+    assert not q4 & {"row_sums", "q6K_lane_sums", "q6K_load_round", "byte_magic", "q8_group", "q4K_q8_run",
+                     "dot4_i8", "q4K_dequant4", "dequant4", "lane_group_sum"}
+    assert {"row_sums_q6K", "q6K_lane_sums"} <= q6 and not q6 & {"row_sums", "q4K_lane_sums", "q4K_block"}
+    # the multi kernel's slots take either type (its TYPE branch is not resolved in the text)
+    assert {"row_sums", "q4K_lane_sums", "q6K_lane_sums"} <= names(mul_mv._MULTI)
     assert names(mul_mv._QUANTIZE_Q8) == {"q8_group"}
-    assert {"apply_activation", "gelu_tanh", "GELU_COEF_A"} <= names(mul_mv._GLU)
-    assert "q4k_v4_dual_row_mac" not in names(mul_mv._GLU)
+    glu, glu6 = names(mul_mv._GLU), names(mul_mv._GLU_Q6K)  # one text per type
+    assert {"apply_activation", "gelu_tanh", "GELU_COEF_A", "q4K_lane_sums"} <= glu and "q6K_lane_sums" not in glu
+    assert "q6K_lane_sums" in glu6 and "q4K_lane_sums" not in glu6
+    assert "q4k_v4_dual_row_mac" not in glu
     assert names(attention._COMBINE) == {"first_visible", "splits_used", "attn_gate"}
     unreached = sum(len(to_cuda(text)) for name, text in header_items(sections("mul_mv")["header"])
                     if name in {"q8_group", "q4K_q8_run", "dot4_i8", "q4K_dequant4", "q6K_dequant4", "dequant4"})

@@ -46,10 +46,56 @@ def _compact(text: str) -> str:
     return _PADDED_CONTINUATION.sub("\\\n", text)
 
 
+_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'')
+_WORD = re.compile(r"[\w.]")
+_OPERATOR = set("=+-*/%<>&|^!~?:")
+
+
+def _squeeze(text: str) -> str:
+    """Compacted CUDA text (:func:`_compact`) with the whitespace that separates no two tokens
+    dropped: a preprocessor line (and its continuations) stays as it is, on its own line; the code
+    between them becomes one line, and a space between two characters survives only where both are
+    word characters (two names would merge) or both operator characters (``- -``, ``/ *``, ``> >``
+    would become other tokens), or next to a string or character literal. The tokens are the same,
+    so the program is (``tests/test_kernels.py`` compiles every kernel both ways, where NVRTC is
+    installed, and compares the machine code); the text is 20 % shorter, which is what MLX hashes
+    at every launch."""
+    out, code, in_macro = [], [], False
+
+    def flush():
+        if not code:
+            return
+        text = "\n".join(code)
+        literals = []
+
+        def hide(m):
+            literals.append(m.group(0))
+            return f"\x00{len(literals) - 1}\x00"
+
+        parts = re.split(r"\s+", _LITERAL.sub(hide, text).strip())
+        joined = parts[0]
+        for nxt in parts[1:]:
+            a, b = joined[-1], nxt[0]
+            keep = ("\x00" in (a, b) or (_WORD.match(a) and _WORD.match(b)) or (a in _OPERATOR and b in _OPERATOR))
+            joined += (" " if keep else "") + nxt
+        out.append(re.sub("\x00(\\d+)\x00", lambda m: literals[int(m.group(1))], joined))
+        code.clear()
+
+    for line in text.split("\n"):
+        if in_macro or line.lstrip().startswith("#"):
+            flush()
+            out.append(line)
+            in_macro = line.endswith("\\")
+        elif line.strip():
+            code.append(line)
+    flush()
+    return "\n".join(out) + "\n"
+
+
 def to_cuda(metal_text: str) -> str:
     """The one textual change CUDA needs: Metal's address-space qualifiers (the text compacted, see
-    :func:`_compact`)."""
-    return _ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], _compact(metal_text))
+    :func:`_compact`, then squeezed: :func:`_squeeze`)."""
+    return _squeeze(_ADDRESS_SPACE.sub(lambda m: _CUDA_SPELLING[m.group(1)], _compact(metal_text)))
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -155,8 +201,8 @@ def sections(family: str) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def cuda_prelude() -> str:
-    """prelude.cuh, compacted (it is in every kernel's source: see :func:`_compact`)."""
-    return _compact((HERE / "prelude.cuh").read_text())
+    """prelude.cuh, compacted and squeezed (it is in every kernel's source: see :func:`_squeeze`)."""
+    return _squeeze(_compact((HERE / "prelude.cuh").read_text()))
 
 
 def backend() -> str:

@@ -633,23 +633,38 @@ MUSE_FN void q6K_lane_sums(device const uchar* a, uint ra, device const uchar* b
     }
 }
 
-// The row sums of one SIMD group (NR0 rows of a [rows, K] matrix of type TYPE: 0 Q4_K, 1 Q6_K,
-// 2 Q6_K in the split form, whose d's follow all `rows` rows' bodies); HALVES, PREP, y and sy as
-// q4K_lane_sums takes them (Q4_K only: Q6_K reads y as it is); S and `stage` too (Q4_K and the
-// split Q6_K: the SIMD group's S * 36 * NR0, or S * 26 * NR0, uint4 of threadgroup memory when S > 0).
+// The row sums of one SIMD group: NR0 rows of a [rows, K] Q4_K matrix; HALVES, PREP, y and sy as
+// q4K_lane_sums takes them; S and `stage` too (the SIMD group's S * 36 * NR0 uint4 of threadgroup
+// memory when S > 0). (The lone kernels call the helper of their own type, so that the source
+// MLX hashes at every launch holds no other type's lanes: docs/kernels.md, "A kernel's source".)
+template <int NR0, int U, int P, int HALVES, int PREP, int S>
+MUSE_FN void row_sums_q4K(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
+                          device const float* sy, uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
+    const uint row_bytes = nb * 144u;
+    device const uchar* a = w + (ulong)first_row * row_bytes;
+    q4K_lane_sums<NR0, 0, U, P, HALVES, PREP, S>(a, rows - first_row, a, 1u, row_bytes, nb, y, sy, tiisg, sumf, stage);
+}
+
+// The same for Q6_K (SPLIT 1: the split form, whose d's follow all `rows` rows' bodies; S and
+// `stage` only there, the SIMD group's S * 26 * NR0 uint4); y as it is.
+template <int SPLIT, int NR0, int U, int P, int S>
+MUSE_FN void row_sums_q6K(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
+                          uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
+    const uint row_bytes = nb * (SPLIT ? 208u : 210u);
+    device const uchar* a = w + (ulong)first_row * row_bytes;
+    device const half* ad = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)first_row * nb;
+    q6K_lane_sums<NR0, 0, U, P, SPLIT, SPLIT ? S : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y, tiisg, sumf, ad,
+                                                      ad, stage);
+}
+
+// Either, by TYPE (0 Q4_K, 1 Q6_K, 2 Q6_K split): the multi kernel's slots.
 template <int TYPE, int NR0, int U, int P, int HALVES, int PREP, int S>
 MUSE_FN void row_sums(device const uchar* w, uint first_row, uint rows, uint nb, device const float* y,
                       device const float* sy, uint tiisg, thread float* sumf, MUSE_TG uint4* stage) {
-    const uint row_bytes = nb * (TYPE == 0 ? 144u : TYPE == 1 ? 210u : 208u);
-    device const uchar* a = w + (ulong)first_row * row_bytes;
-    if (TYPE == 0) {
-        q4K_lane_sums<NR0, 0, U, P, HALVES, PREP, TYPE == 0 ? S : 0>(a, rows - first_row, a, 1u, row_bytes, nb, y,
-                                                                     sy, tiisg, sumf, stage);
-    } else {
-        device const half* ad = (device const half*)(w + (ulong)rows * nb * 208u) + (ulong)first_row * nb;
-        q6K_lane_sums<NR0, 0, U, P, TYPE == 2 ? 1 : 0, TYPE == 2 ? S : 0>(a, rows - first_row, a, 1u, row_bytes, nb,
-                                                                           y, tiisg, sumf, ad, ad, stage);
-    }
+    if (TYPE == 0)
+        row_sums_q4K<NR0, U, P, HALVES, PREP, S>(w, first_row, rows, nb, y, sy, tiisg, sumf, stage);
+    else
+        row_sums_q6K<TYPE == 2 ? 1 : 0, NR0, U, P, TYPE == 2 ? S : 0>(w, first_row, rows, nb, y, tiisg, sumf, stage);
 }
 
 // -- the opt-in int8-activation (q8) matvecs: NOT exact (flag mv_q8) --
@@ -808,8 +823,8 @@ MUSE_FN float lane_group_sum(float v) {
     const uint first_row = (threadgroup_position_in_grid.x * NSG + sgitg) * NR0;
     if (first_row >= ROWS) return;  // whole SIMD groups leave together: no simd_sum is cut short
     float sumf[NR0];
-    row_sums<0, NR0, U, P, HALVES, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
-                                         stage + sgitg * S * 36 * NR0);
+    row_sums_q4K<NR0, U, P, HALVES, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
+                                          stage + sgitg * S * 36 * NR0);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -828,8 +843,8 @@ MUSE_FN float lane_group_sum(float v) {
     if (first_row >= ROWS) return;
     threadgroup uint4 stage[S ? NSG * S * 26 * NR0 : 1];
     float sumf[NR0];
-    row_sums<1 + SPLIT, NR0, U, P, 0, 0, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, y, tiisg, sumf,
-                                            stage + sgitg * S * 26 * NR0);
+    row_sums_q6K<SPLIT, NR0, U, P, S>(w, first_row, ROWS, K / 256, y + (ulong)t * K, tiisg, sumf,
+                                      stage + sgitg * S * 26 * NR0);
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
@@ -882,7 +897,10 @@ MUSE_FN float lane_group_sum(float v) {
         if (tiisg == 0 && first_row + r < rows) dst[(ulong)t * total_rows + out0 + first_row + r] = total;
     }
 
-// ==== kernel: mul_mv_glu_f32
+// ==== part: glu_rows
+// kernels mul_mv_glu_f32 (parts glu_rows, glu_q4K, glu_out: Q4_K) and mul_mv_glu_q6K_f32 (glu_rows,
+// glu_q6K, glu_out: Q6_K), one text each so that neither carries the other's lanes into the source
+// MLX hashes at every launch (docs/kernels.md, "A kernel's source").
 // The FFN's first half in one dispatch with the unfused kernels' bits: each SIMD group computes
 // NR0 rows of the gate matrix and the same NR0 rows of the up matrix exactly as mul_mv does
 // (sharing the activation loads), then writes apply_activation<ACT>(gate, up) -- the formula of
@@ -903,18 +921,23 @@ MUSE_FN float lane_group_sum(float v) {
     device const uchar* u = wu + (ulong)first_row * row_bytes;
     device const float* yt = y + (ulong)t * K;
     float sumf[2 * NR0];
-    if (TYPE == 0) {
-        q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, TYPE == 0 ? S : 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
-                                                       PREP ? ys + (ulong)t * K : yt,
-                                                       PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf,
-                                                       stage + sgitg * S * 72 * NR0);
-    } else {
+
+// ==== part: glu_q4K
+    q4K_lane_sums<NR0, NR0, U, P, HALVES, PREP, TYPE == 0 ? S : 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
+                                                   PREP ? ys + (ulong)t * K : yt,
+                                                   PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf,
+                                                   stage + sgitg * S * 72 * NR0);
+
+// ==== part: glu_q6K
+    {
         // split (TYPE 2): each matrix's d's follow its ROWS rows' bodies
         device const half* gd = (device const half*)(wg + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
         device const half* ud = (device const half*)(wu + (ulong)ROWS * nb * 208u) + (ulong)first_row * nb;
         q6K_lane_sums<NR0, NR0, U, P, TYPE == 2 ? 1 : 0, 0>(g, ROWS - first_row, u, ROWS - first_row, row_bytes, nb,
                                                              yt, tiisg, sumf, gd, ud, stage);
     }
+
+// ==== part: glu_out
     for (int r = 0; r < NR0; ++r) {
         const float gate = simd_sum(sumf[r]);
         const float up = simd_sum(sumf[NR0 + r]);
@@ -1011,7 +1034,7 @@ MUSE_FN float lane_group_sum(float v) {
     float sumf[2 * NR0];
     if (type == 1) {  // Q6_K: the exact kernel's lanes on the float activations
         threadgroup uint4 stage[1];  // unused: Q6_K lanes load into registers
-        row_sums<1, NR0, 1, 0, 0, 0, 0>(w, first_row, rows, nb, yt, yt, tiisg, sumf, stage);
+        row_sums_q6K<0, NR0, 1, 0, 0>(w, first_row, rows, nb, yt, tiisg, sumf, stage);
     } else {
         const uint row_bytes = nb * 144u;
         device const uchar* rp[2 * NR0];

@@ -521,11 +521,14 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
 _Q4_K = Kernel("mul_mv", "mul_mv_q4_K_f32", ["w", "y"], ["dst"])
 _Q6_K = Kernel("mul_mv", "mul_mv_q6_K_f32", ["w", "y"], ["dst"])
 _MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y", "ys", "sy"], ["dst"])
-_GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y", "ys", "sy"], ["dst"], uses=("ffn",))
+_GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y", "ys", "sy"], ["dst"], uses=("ffn",),
+              parts=("glu_rows", "glu_q4K", "glu_out"))
+_GLU_Q6K = Kernel("mul_mv", "mul_mv_glu_q6K_f32", _GLU.inputs, ["dst"], uses=("ffn",),
+                  parts=("glu_rows", "glu_q6K", "glu_out"))
 _DEQ = {dt: Kernel("mul_mv", f"dequant_{name}", ["w", "count"], ["out"])
         for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
 _DEQ_AT = Kernel("mul_mv", "dequant_at_f32", ["w", "tokens", "count"], ["out"])
-KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, *_DEQ.values(), _DEQ_AT)
+KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, _GLU_Q6K, *_DEQ.values(), _DEQ_AT)
 BLOCK_BYTES = {"q4_K": 144, "q6_K": 210, "q6_K_split": 210}
 TYPE_CODE = {"q4_K": 0, "q6_K": 1, "q6_K_split": 2}
 
@@ -652,7 +655,7 @@ def mul_mv_glu(y, w_gate, w_up, kind: str, activation: str = "silu", which=None,
     prepared, pre = _prep_inputs(prep, y, which, "q4_K")
     form = q4K_halves(which, "q4_K")
     stages = q4K_stages(which, "q4_K", (nr0, nsg, u, p)) if kind == "q4_K" else 0
-    (dst,) = _GLU(
+    (dst,) = (_GLU if kind == "q4_K" else _GLU_Q6K)(
         [w_gate, w_up, y] + prepared, [(*y.shape[:-1], R)], [F32], grid=(-(-R // (nr0 * nsg)) * 32, nsg, T),
         threadgroup=(32, nsg, 1),
         template=[("K", K), ("ROWS", R), ("TYPE", TYPE_CODE[kind]), ("ACT", ACTIVATIONS[activation]),
