@@ -1096,7 +1096,11 @@ MUSE_FN float lane_group_sum(float v) {
     ds[2 * (ulong)g] = d;
     ds[2 * (ulong)g + 1] = float(sum);
 
-// ==== kernel: mul_mv_q8_pre
+// ==== part: q8_pre_rows
+// kernels mul_mv_q8_pre (parts q8_pre_rows, q8_pre_q6K, q8_pre_q4K, q8_pre_out: Q4_K and split Q6_K
+// matrices), mul_mv_q8_pre_q4K (the same without q8_pre_q6K: calls of Q4_K matrices only, whose
+// source then holds no Q6_K lanes, see docs/kernels.md, "A kernel's source") and
+// mul_mv_q8_pre_q8out (mul_mv_q8_pre_q4K + q8_out, the GLU).
 // OPT-IN, NOT EXACT (flag mv_q8): mul_mv_q4_K_q8_multi's arithmetic on activations that
 // quantize_q8 wrote once (no per-threadgroup quantization, no threadgroup memory, no barrier),
 // for up to four matrices (Y 0 Q4_K; Y 2 Q6_K in the split form, flag mv_q8_q6k: q6K_q8_run) or
@@ -1136,6 +1140,8 @@ MUSE_FN float lane_group_sum(float v) {
     device const float4* ds4 = (device const float4*)ds + (ulong)t * (K / 64);
     const uint tq = li % 4;
     float sumf[2 * NR0];
+
+// ==== part: q8_pre_q6K
     if (type == 2) {
         // Q6_K, split: row rr's block bodies at 208*(rr*nb + j), its d's after all rows' bodies
         const uint h = tq / 2, s = tq % 2;  // the run: values 128h + 32k + 16s + (0..15), k = 0..3
@@ -1176,7 +1182,10 @@ MUSE_FN float lane_group_sum(float v) {
                                          yv[u][0], yv[u][1], yv[u][2], yv[u][3], ysum, dy, sumf[r]);
             }
         }
-    } else {
+    } else
+
+// ==== part: q8_pre_q4K
+    {
     const uint row_bytes = nb * 144u;
     device const uchar* rp[2 * NR0];
     for (int r = 0; r < 2 * NR0; ++r) {
@@ -1211,6 +1220,8 @@ MUSE_FN float lane_group_sum(float v) {
         }
     }
     }
+
+// ==== part: q8_pre_out
     if (GLU == 1) {
         for (int r = 0; r < NR0; ++r) {
             const float gate = lane_group_sum<LPR>(sumf[r]);

@@ -742,11 +742,15 @@ def mul_mv_q6_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
 
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 _QUANTIZE_Q8 = Kernel("mul_mv", "quantize_q8", ["y"], ["qy", "ds"])
-_Q8_PRE = Kernel("mul_mv", "mul_mv_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",))
+_Q8_PRE = Kernel("mul_mv", "mul_mv_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",),
+                 parts=("q8_pre_rows", "q8_pre_q6K", "q8_pre_q4K", "q8_pre_out"))
+# the same for calls of Q4_K matrices only (the GLU among them): no split Q6_K lanes in its source
+_Q8_PRE_Q4K = Kernel("mul_mv", "mul_mv_q8_pre_q4K", _Q8_PRE.inputs, ["dst"], uses=("ffn",),
+                     parts=("q8_pre_rows", "q8_pre_q4K", "q8_pre_out"))
 # the q8 GLU that also writes its output quantized (flag mv_q8_q6k; MUSE_MLX_Q8_GLU_OUT=0 turns it off)
 _Q8_PRE_OUT = Kernel("mul_mv", "mul_mv_q8_pre_q8out", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst", "oqy", "ods"],
-                     uses=("ffn",), parts=("mul_mv_q8_pre", "q8_out"))
-KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_OUT)
+                     uses=("ffn",), parts=("q8_pre_rows", "q8_pre_q4K", "q8_pre_out", "q8_out"))
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
@@ -939,7 +943,8 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
                                         [F32, mx.uint32, F32], template=template + [("QL", int(q8_out_lanes()))],
                                         **launch)
             return dst, (oqy, ods)
-        (dst,) = _Q8_PRE(mats + [qy, ds], out_shape, [F32], template=template, **launch)
+        kernel = _Q8_PRE_Q4K if all(Q8_PRE_TYPE[k] == 0 for k in kinds) else _Q8_PRE
+        (dst,) = kernel(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
         template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
         (dst,) = _Q8(mats + [y], out_shape, [F32], template=template, **launch)
