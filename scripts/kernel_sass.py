@@ -389,6 +389,10 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW}", K.mul_mv_multi, y_d, qkvg, geometry=g)
         with env("MUSE_MLX_Q4K_HALVES", halves):
             rec(f"q|k|v|gate {QW}+{KVW}+{KVW}(q6)+{QW} prepared", K.mul_mv_multi, y_d, qkvg, geometry=g, prep=prep)
+            # the layers whose attn_v is Q4_K (half of them in the Q4_K_M mix): Q4_K slots only
+            rec(f"q|k|v|gate {QW}+{KVW}+{KVW}+{QW} prepared", K.mul_mv_multi, y_d,
+                [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")], geometry=g,
+                prep=prep)
     for g in q4_geoms:
         glu = lambda form, **kw: rec(f"ffn_gate+up q4_K {FF}x{D} silu{form}", K.mul_mv_glu, y_d, q4(FF, D),  # noqa: E731
                                      q4(FF, D), "q4_K", "silu", geometry=g, **kw)

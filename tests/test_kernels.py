@@ -284,6 +284,7 @@ def record_all_kernels():
     K.ffn_q4k_gate_up_4r2s(x, q4, q4, "silu", which="record")
     K.ffn_q4k_gate_up_4r2s(x, q4, q4, "gelu_tanh", which="record")
     K.mul_mv_multi(x, [(q4, "q4_K"), (q6, "q6_K"), (q4, "q4_K")], which="record", geometry="4x2")
+    K.mul_mv_multi(x, [(q4, "q4_K"), (q4, "q4_K")], which="record")  # Q4_K slots only: mul_mv_multi_q4K_f32
     K.mul_mv_glu(x, q4, q4, "q4_K", "silu", which="record")
     for form in ("1", "2"):  # the prepared activations' form of both (halves forms only)
         prep = mul_mv.q4_K_prepared(x, int(form))
@@ -420,8 +421,11 @@ def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():
     assert not q4 & {"row_sums", "q6K_lane_sums", "q6K_load_round", "byte_magic", "q8_group", "q4K_q8_run",
                      "dot4_i8", "q4K_dequant4", "dequant4", "lane_group_sum"}
     assert {"row_sums_q6K", "q6K_lane_sums"} <= q6 and not q6 & {"row_sums", "q4K_lane_sums", "q4K_block"}
-    # the multi kernel's slots take either type (its TYPE branch is not resolved in the text)
+    # the multi kernel's slots take either type (its TYPE branch is not resolved in the text); its
+    # Q4_K-only form holds no Q6_K lanes
     assert {"row_sums", "q4K_lane_sums", "q6K_lane_sums"} <= names(mul_mv._MULTI)
+    assert "q4K_lane_sums" in names(mul_mv._MULTI_Q4K) and "q6K_lane_sums" not in names(mul_mv._MULTI_Q4K)
+    assert "q6K_q8_run" in names(mul_mv._Q8_PRE) and "q6K_q8_run" not in names(mul_mv._Q8_PRE_Q4K)
     assert names(mul_mv._QUANTIZE_Q8) == {"q8_group"}
     glu, glu6 = names(mul_mv._GLU), names(mul_mv._GLU_Q6K)  # one text per type
     assert {"apply_activation", "gelu_tanh", "GELU_COEF_A", "q4K_lane_sums"} <= glu and "q6K_lane_sums" not in glu

@@ -850,7 +850,10 @@ MUSE_FN float lane_group_sum(float v) {
         if (tiisg == 0 && first_row + r < ROWS) dst[(ulong)t * ROWS + first_row + r] = total;
     }
 
-// ==== kernel: mul_mv_multi_f32
+// ==== part: multi_rows
+// kernels mul_mv_multi_f32 (parts multi_rows, multi_any, multi_out: slots of any type) and
+// mul_mv_multi_q4K_f32 (multi_rows, multi_q4K, multi_out: Q4_K slots only, whose source then
+// holds no Q6_K lanes; docs/kernels.md, "A kernel's source").
 // Up to four matrices that read the same activations (q, k, v and the attention gate), in one
 // dispatch: each threadgroup belongs to one matrix, each row is computed exactly as the single
 // kernels compute it, and the results are concatenated: dst[t] = [W0 y, W1 y, W2 y, W3 y].
@@ -883,6 +886,8 @@ MUSE_FN float lane_group_sum(float v) {
     if (first_row >= rows) return;
     float sumf[NR0];
     device const float* yt = y + (ulong)t * K;
+
+// ==== part: multi_any
     if (type == 0) {
         row_sums<0, NR0, U, P, HALVES, PREP, S>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
                                                 PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf, own);
@@ -891,6 +896,12 @@ MUSE_FN float lane_group_sum(float v) {
     } else {
         row_sums<1, NR0, U, P, 0, 0, 0>(w, first_row, rows, K / 256, yt, yt, tiisg, sumf, own);
     }
+
+// ==== part: multi_q4K
+    row_sums_q4K<NR0, U, P, HALVES, PREP, S>(w, first_row, rows, K / 256, PREP ? ys + (ulong)t * K : yt,
+                                             PREP ? sy + (ulong)t * (K / 8) : sy, tiisg, sumf, own);
+
+// ==== part: multi_out
     const uint total_rows = R0 + R1 + R2 + R3;
     for (int r = 0; r < NR0; ++r) {
         const float total = simd_sum(sumf[r]);

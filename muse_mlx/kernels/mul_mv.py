@@ -520,7 +520,10 @@ def mv_geometry(geometry: str, which: str, kind: str = "q4_K") -> tuple[int, int
 
 _Q4_K = Kernel("mul_mv", "mul_mv_q4_K_f32", ["w", "y"], ["dst"])
 _Q6_K = Kernel("mul_mv", "mul_mv_q6_K_f32", ["w", "y"], ["dst"])
-_MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y", "ys", "sy"], ["dst"])
+_MULTI = Kernel("mul_mv", "mul_mv_multi_f32", ["w0", "w1", "w2", "w3", "y", "ys", "sy"], ["dst"],
+                parts=("multi_rows", "multi_any", "multi_out"))
+# the same for Q4_K slots only: no Q6_K lanes in its source
+_MULTI_Q4K = Kernel("mul_mv", "mul_mv_multi_q4K_f32", _MULTI.inputs, ["dst"], parts=("multi_rows", "multi_q4K", "multi_out"))
 _GLU = Kernel("mul_mv", "mul_mv_glu_f32", ["wg", "wu", "y", "ys", "sy"], ["dst"], uses=("ffn",),
               parts=("glu_rows", "glu_q4K", "glu_out"))
 _GLU_Q6K = Kernel("mul_mv", "mul_mv_glu_q6K_f32", _GLU.inputs, ["dst"], uses=("ffn",),
@@ -528,7 +531,7 @@ _GLU_Q6K = Kernel("mul_mv", "mul_mv_glu_q6K_f32", _GLU.inputs, ["dst"], uses=("f
 _DEQ = {dt: Kernel("mul_mv", f"dequant_{name}", ["w", "count"], ["out"])
         for dt, name in ((mx.float32, "f32"), (mx.float16, "f16"))}
 _DEQ_AT = Kernel("mul_mv", "dequant_at_f32", ["w", "tokens", "count"], ["out"])
-KERNELS = (_Q4_K, _Q6_K, _MULTI, _GLU, _GLU_Q6K, *_DEQ.values(), _DEQ_AT)
+KERNELS = (_Q4_K, _Q6_K, _MULTI, _MULTI_Q4K, _GLU, _GLU_Q6K, *_DEQ.values(), _DEQ_AT)
 BLOCK_BYTES = {"q4_K": 144, "q6_K": 210, "q6_K_split": 210}
 TYPE_CODE = {"q4_K": 0, "q6_K": 1, "q6_K_split": 2}
 
@@ -628,7 +631,7 @@ def mul_mv_multi(y, weights, which=None, geometry: str = "tuned", prep=None) -> 
                 ("PREP", pre), ("S", q4K_stages(which, "q4_K multi", (nr0, nsg, u, p)))]
     template += [(f"R{i}", rows[i]) for i in range(4)] + [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
     groups = sum(-(-r // per_tg) for r in rows)
-    (dst,) = _MULTI(
+    (dst,) = (_MULTI_Q4K if all(k == "q4_K" for k in kinds) else _MULTI)(
         mats + [y] + prepared, [(*y.shape[:-1], sum(rows))], [F32], grid=(groups * 32, nsg, T),
         threadgroup=(32, nsg, 1), template=template, which=which, min_blocks=multi_min_blocks(which, nsg),
     )
