@@ -377,6 +377,40 @@ def test_squeezed_sources_keep_every_token():
     assert B._squeeze(sample) == 'x=y/ *p- -q;asm volatile("cp.async.commit_group;\\n" ::: "memory");\n#define A (b)\nreturn-x;\n'
 
 
+def test_each_kernel_gets_the_prelude_blocks_it_names():
+    """prelude.cuh's optional blocks (``// -- only where the source names A B``) go into a kernel's CUDA
+    source only where its header or body names one of their names. The markers list what each block
+    defines (a helper added to a block without its name in the marker fails here), and every kernel
+    that names something an optional block defines gets that block (the built-in ``fma`` and ``tanh``
+    aside, which the float4 block only overloads for float4 and the precise block only wraps in its
+    namespace)."""
+    import importlib
+
+    B = importlib.import_module("muse_mlx.kernels.backend")  # (the package's `backend` is the function)
+    text = (B.HERE / "prelude.cuh").read_text()
+    marks = list(B._PRELUDE_BLOCK.finditer(text))
+    defines = {}
+    for m, nxt in zip(marks, marks[1:] + [None]):
+        if m.group(1):
+            block = B._compact(text[m.end(): nxt.start() if nxt else len(text)])
+            names = set(re.findall(r"#define\s+(\w+)|namespace\s+(\w+)", block))
+            names = {a or b for a, b in names} | set(re.findall(r"(\w+)\s*(?:<[^<>;]*>)?\s*\([^;{}]*\)\s*(?:const\s*)?\{", block))
+            names -= {"__align__", "operator", "op", "if", "for", "fma", "tanh", "F4_OP", "muse_float4"}  # (op: F4_OP's)
+            assert names and names <= set(m.group(1).split()), (m.group(1), names)
+            defines[frozenset(m.group(1).split())] = names
+    assert len(defines) >= 10
+    assert "simd_sum" not in B.cuda_prelude("") and "muse_float4" not in B.cuda_prelude("")
+    assert "simd_sum" in B.cuda_prelude("x = simd_sum(y)") and "simd_max" not in B.cuda_prelude("simd_sum")
+    for c in record_all_kernels():
+        k = c["kernel"]
+        used = set(B._IDENTIFIER.findall(k.header + k.body))
+        prelude = B.cuda_prelude(k.header + k.body)
+        for marker, names in defines.items():
+            block = next(t for n, t in B._prelude_blocks() if n == marker)
+            assert (block in prelude) == bool(marker & used), (k.name, sorted(marker))
+            assert not (names & used) or block in prelude, (k.name, sorted(names & used))
+
+
 def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
     """MLX writes the kernel signature around our body; check it for every kernel and template."""
     for i, c in enumerate(record_all_kernels()):

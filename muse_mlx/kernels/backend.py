@@ -199,10 +199,29 @@ def sections(family: str) -> dict[str, str]:
     return out
 
 
+_PRELUDE_BLOCK = re.compile(r"^// -- (?:only where the source names (.+)|always)$", re.M)
+
+
 @functools.lru_cache(maxsize=None)
-def cuda_prelude() -> str:
-    """prelude.cuh, compacted and squeezed (it is in every kernel's source: see :func:`_squeeze`)."""
-    return _squeeze(_compact((HERE / "prelude.cuh").read_text()))
+def _prelude_blocks() -> tuple[tuple[frozenset[str] | None, str], ...]:
+    """prelude.cuh as (names, compacted and squeezed text) blocks: ``None`` for a block every kernel
+    gets, else the names one of which a kernel's source must name to get it."""
+    text = (HERE / "prelude.cuh").read_text()
+    blocks, start, names = [], 0, None
+    for m in _PRELUDE_BLOCK.finditer(text):
+        blocks.append((names, text[start:m.start()]))
+        names = frozenset(m.group(1).split()) if m.group(1) else None
+        start = m.end()
+    blocks.append((names, text[start:]))
+    return tuple((n, _squeeze(_compact(t))) for n, t in blocks if t.strip())
+
+
+def cuda_prelude(source: str | None = None) -> str:
+    """prelude.cuh, compacted and squeezed (it is in every kernel's source: see :func:`_squeeze`);
+    with the ``source`` of a kernel (its header and body), only the optional blocks whose names it
+    uses (the same machine code: what a kernel does not name, it does not use)."""
+    used = None if source is None else set(_IDENTIFIER.findall(source))
+    return "".join(t for names, t in _prelude_blocks() if names is None or used is None or names & used)
 
 
 def backend() -> str:
@@ -336,7 +355,7 @@ class Kernel:
             elif which == "cuda":
                 self._built[key] = mx.fast.cuda_kernel(
                     name=bounded_name(self.name, bounds), input_names=self.inputs, output_names=self.outputs,
-                    source=to_cuda(self.body), header=cuda_prelude() + launch_bounds(bounds) + to_cuda(self.header),
+                    source=to_cuda(self.body), header=cuda_prelude(self.header + self.body) + launch_bounds(bounds) + to_cuda(self.header),
                 )
             else:
                 raise ValueError(f"no GPU kernel for backend {which!r}")
@@ -356,7 +375,7 @@ class Kernel:
         params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes)]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {int(v)};\n" for k, v in template or [])
         return (
-            cuda_prelude() + launch_bounds(bounds) + to_cuda(self.header)
+            cuda_prelude(self.header + self.body) + launch_bounds(bounds) + to_cuda(self.header)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void custom_kernel_{bounded_name(self.name, bounds)}(\n" + ",\n".join(params) + ") {\n"
             + consts + to_cuda(self.body) + "\n}\n\n} // namespace mlx::core::cu\n"

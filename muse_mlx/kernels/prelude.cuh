@@ -13,15 +13,23 @@ typedef unsigned char uchar;
 // pointer here, which NVCC/NVRTC resolve to shared memory once the helper is inlined.
 #define MUSE_TG
 
+// (Each block below a line `// -- only where the source names A B` is in a kernel's source only
+// where its header or body names A or B: MLX hashes a kernel's whole source at every launch, see
+// backend.cuda_prelude; `// -- always` ends the optional blocks.)
+// -- only where the source names thread_index_in_threadgroup thread_index_in_simdgroup simdgroup_index_in_threadgroup
 // Thread positions. MLX launches ceil(grid / threadgroup) blocks of `threadgroup` threads.
 #define thread_index_in_threadgroup (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z))
 #define thread_index_in_simdgroup (thread_index_in_threadgroup & 31u)
 #define simdgroup_index_in_threadgroup (thread_index_in_threadgroup >> 5)
+// -- only where the source names thread_position_in_threadgroup
 #define thread_position_in_threadgroup make_uint3(threadIdx.x, threadIdx.y, threadIdx.z)
+// -- only where the source names threadgroup_position_in_grid
 #define threadgroup_position_in_grid make_uint3(blockIdx.x, blockIdx.y, blockIdx.z)
+// -- only where the source names thread_position_in_grid
 #define thread_position_in_grid make_uint3(blockIdx.x * blockDim.x + threadIdx.x, \
     blockIdx.y * blockDim.y + threadIdx.y, blockIdx.z * blockDim.z + threadIdx.z)
 
+// -- only where the source names threadgroup_barrier mem_flags
 namespace mem_flags {
 constexpr int mem_device = 1, mem_threadgroup = 2;
 }
@@ -31,6 +39,7 @@ __device__ __forceinline__ void threadgroup_barrier(int flags) {
   __syncthreads();
 }
 
+// -- only where the source names simd_sum
 // simd_sum: an xor butterfly over the 32 lanes (offsets 16, 8, 4, 2, 1); every lane gets the
 // total. Apple's lane order is undocumented; the oracles model this one.
 __device__ __forceinline__ float simd_sum(float v) {
@@ -42,16 +51,20 @@ __device__ __forceinline__ float simd_sum(float v) {
   return v;
 }
 
+// -- only where the source names simdgroup_barrier
 // Orders the SIMD group's threadgroup-memory accesses: __syncwarp (a memory barrier among its lanes).
 __device__ __forceinline__ void simdgroup_barrier(int) { __syncwarp(); }
 
+// -- only where the source names simd_shuffle_xor
 __device__ __forceinline__ uint simd_shuffle_xor(uint v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 __device__ __forceinline__ float simd_shuffle_xor(float v, uint mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
+// -- only where the source names simd_max
 __device__ __forceinline__ float simd_max(float v) {
   for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
 
+// -- only where the source names float4 dot
 // float4 with Metal's component indexing and element-wise arithmetic.
 struct __align__(16) muse_float4 {
   float x, y, z, w;
@@ -85,6 +98,7 @@ __device__ __forceinline__ float dot(float4 a, float4 b) {
   return fmaf(a.w, b.w, fmaf(a.z, b.z, fmaf(a.y, b.y, a.x * b.x)));
 }
 
+// -- only where the source names as_type
 // as_type<T>(u): Metal's bit-for-bit reinterpretation, for the pairs the bodies use.
 template <typename T, typename U> __device__ T as_type(U u);
 template <> __device__ __forceinline__ float as_type<float, uint>(uint u) { return __uint_as_float(u); }
@@ -95,10 +109,12 @@ template <> __device__ __forceinline__ char4 as_type<char4, uint>(uint u) {  // 
                     (signed char)((u >> 16) & 0xFFu), (signed char)(u >> 24));
 }
 
+// -- always
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
+// -- only where the source names precise
 // rsqrt(float), sqrt, exp, fma: CUDA's own float overloads (rsqrt is approximate, like Metal's).
 namespace precise {
 __device__ __forceinline__ float tanh(float x) { return tanhf(x); }
