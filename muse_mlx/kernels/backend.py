@@ -57,9 +57,9 @@ def _squeeze(text: str) -> str:
     between them becomes one line, and a space between two characters survives only where both are
     word characters (two names would merge) or both operator characters (``- -``, ``/ *``, ``> >``
     would become other tokens), or next to a string or character literal. The tokens are the same,
-    so the program is (``tests/test_kernels.py`` compiles every kernel both ways, where NVRTC is
-    installed, and compares the machine code); the text is 20 % shorter, which is what MLX hashes
-    at every launch."""
+    so the program is (``tests/test_kernels.py`` compares every kernel's token sequence; NVRTC's
+    machine code was compared with ``scripts/kernel_sass.py --keep``, docs/kernels.md); the text is
+    about 15 % shorter, and it is what MLX hashes at every launch."""
     out, code, in_macro = [], [], False
 
     def flush():
@@ -355,7 +355,7 @@ class Kernel:
             elif which == "cuda":
                 self._built[key] = mx.fast.cuda_kernel(
                     name=bounded_name(self.name, bounds), input_names=self.inputs, output_names=self.outputs,
-                    source=to_cuda(self.body), header=cuda_prelude(self.header + self.body) + launch_bounds(bounds) + to_cuda(self.header),
+                    source=to_cuda(self.body), header=self.cuda_header(bounds),
                 )
             else:
                 raise ValueError(f"no GPU kernel for backend {which!r}")
@@ -368,6 +368,11 @@ class Kernel:
             source=self.body, header=METAL_PRELUDE + self.header,
         )
 
+    def cuda_header(self, bounds: tuple[int, int] | None = None) -> str:
+        """The header MLX's CUDA build puts before the kernel: the prelude's blocks this kernel names,
+        its launch bounds, then its families' helpers."""
+        return cuda_prelude(self.header + self.body) + launch_bounds(bounds) + to_cuda(self.header)
+
     def cuda_source(self, input_dtypes, output_dtypes, template, bounds: tuple[int, int] | None = None) -> str:
         """The translation unit ``mx.fast.cuda_kernel`` compiles (mirrors MLX 0.32's build_kernel),
         minus MLX's own default header, which the caller supplies; ``bounds`` as for :meth:`build`."""
@@ -375,7 +380,7 @@ class Kernel:
         params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes)]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {int(v)};\n" for k, v in template or [])
         return (
-            cuda_prelude(self.header + self.body) + launch_bounds(bounds) + to_cuda(self.header)
+            self.cuda_header(bounds)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void custom_kernel_{bounded_name(self.name, bounds)}(\n" + ",\n".join(params) + ") {\n"
             + consts + to_cuda(self.body) + "\n}\n\n} // namespace mlx::core::cu\n"
