@@ -1031,6 +1031,19 @@ TOKEN_CASES = [(4, 2, 128, 256, 0, 70, True, True, True, True), (4, 2, 64, 128, 
                (8, 2, 128, 1024, 0, 1023, False, True, True, True), (16, 1, 64, 512, 0, 31, True, True, True, True)]
 
 
+def token_case_inputs(h, hkv, d, cap, window, pos, norm, rope):
+    """A TOKEN_CASES case's inputs for attn_decode_token: ``(rows, v_off, y, gate, w, table, kv, p,
+    geom)`` -- the projection output with V 16 values past the heads and 8 after it, a gate read
+    from offset 40, the norm weights and RoPE table where the case has them, random f16 planes."""
+    rows, v_off = h + hkv, (h + hkv) * d + 16
+    y, gate = arr(v_off + hkv * d + 8), arr(h * d + 40)
+    w = arr(rows, d) if norm else None
+    table = attention.rope_table(d, 10000.0, 0.5) if rope else None
+    kv = mx.array(RNG.standard_normal((2, hkv, cap, d)).astype(np.float16))
+    p, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    return rows, v_off, y, gate, w, table, kv, p, geom
+
+
 @emulator
 @pytest.mark.parametrize("h,hkv,d,cap,window,pos,trad,norm,rope,gated", TOKEN_CASES)
 def test_attention_with_its_norms_is_the_two_kernels(h, hkv, d, cap, window, pos, trad, norm, rope, gated):
@@ -1038,12 +1051,7 @@ def test_attention_with_its_norms_is_the_two_kernels(h, hkv, d, cap, window, pos
     K/V from the kernel's own registers) against qk_rope_pack's oracle, its K/V written into the
     planes, then the attention's oracle: the same bits, and the same K/V out for the cache. The
     planes' slot of the token holds other values, so reading it there would show."""
-    rows, v_off = h + hkv, (h + hkv) * d + 16
-    y, gate = arr(v_off + hkv * d + 8), arr(h * d + 40)
-    w = arr(rows, d) if norm else None
-    table = attention.rope_table(d, 10000.0, 0.5) if rope else None
-    kv = mx.array(RNG.standard_normal((2, hkv, cap, d)).astype(np.float16))
-    p, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    rows, v_off, y, gate, w, table, kv, p, geom = token_case_inputs(h, hkv, d, cap, window, pos, norm, rope)
     kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off)
     g = gate if gated else None
     got, got_kv = emulate_recorded(attention.attn_decode_token, y, w, 1e-6, p, table, kv, geom, d ** -0.5, g, nth=32,
@@ -1072,12 +1080,7 @@ def test_attention_writes_its_output_quantized(case):
     kernel's, bit for bit, and the words and (d, sum q) are quantize_q8's of that output (heads of
     128, 32 and 64 dimensions: four, one and two groups of 32 a head)."""
     h, hkv, d, cap, window, pos, trad, norm, rope, gated = case
-    rows, v_off = h + hkv, (h + hkv) * d + 16
-    y, gate = arr(v_off + hkv * d + 8), arr(h * d + 40)
-    w = arr(rows, d) if norm else None
-    table = attention.rope_table(d, 10000.0, 0.5) if rope else None
-    kv = mx.array(RNG.standard_normal((2, hkv, cap, d)).astype(np.float16))
-    p, geom = mx.array([pos], dtype=mx.int32), attention.decode_geometry(cap, window)
+    rows, v_off, y, gate, w, table, kv, p, geom = token_case_inputs(h, hkv, d, cap, window, pos, norm, rope)
     kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off, nth=32, gate_offset=40 if gated else 0)
     args = (y, w, 1e-6, p, table, kv, geom, d ** -0.5, gate if gated else None)
     got, got_kv, (qy, ds) = emulate_recorded(attention.attn_decode_token, *args, q8_out=True, **kw)
