@@ -5,14 +5,40 @@ and attention always reads the cache, the current token included; the model roun
 f16 before writing, so the caches only store what they are given.
 
 Both caches keep K and V in ONE array ``kv [2, B, Hkv, capacity, D]`` (K then V), written in
-place (a slice update, or a scatter on the decode path), so a decoded token costs one write and the decode attention kernel
+place by a slice update (prefill) or a scatter, or on the decode path handed out whole by the
+attention with the token's slot written (:func:`kv_write_mode`), so the decode attention kernel
 reads both planes from one buffer. Position ``p`` lives in slot ``p`` of a global layer's
 buffer and in slot ``p % window`` of a sliding layer's ring.
 """
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
+
+
+def kv_write_mode() -> str:
+    """How a decoded token's K/V reach its cache where the attention takes the token's Q/K-norms
+    and RoPE in (``MUSE_MLX_KV_WRITE``; the attention reads the token's own K/V from registers, so
+    nothing in the forward waits for the write):
+
+    * ``through`` (the default): the attention hands the planes out whole, with the token's slot
+      written, and the cache takes them as its planes: no write follows (THRU in
+      ``attention.metal``; copy threadgroups of its own copy the other rows). On the H200 a token
+      launches 52 kernels fewer and the GPU waits far less for the host (twenty-seventh session,
+      docs/performance.md: the q8 route 167.7 tok/s, the exact one 129.7-129.8 against 128.0-128.2);
+    * ``layer``: the attention hands the token's K/V out and a scatter writes them into the
+      planes right after it.
+
+    The values in the planes are the same either way. (Until then the K/V were written after the
+    forward, in a CUDA graph of their own: the scatters a token cost 0.11 ms of GPU time and 52
+    launches of host time, and the graph's shape moved with the GPU's progress, so MLX instantiated
+    new ones now and then; twenty-sixth and twenty-seventh sessions.)"""
+    mode = os.environ.get("MUSE_MLX_KV_WRITE", "through")
+    if mode not in ("through", "layer"):
+        raise ValueError(f"MUSE_MLX_KV_WRITE={mode!r}: expected through or layer")
+    return mode
 
 
 class _Planes:
@@ -22,10 +48,6 @@ class _Planes:
     offset = 0
     window = 0  # 0: every past position stays visible
     step = 256  # planes grow this many slots at a time
-    # A DecodeStep's forward leaves the token's K/V to it (defer_writes) rather than writing them
-    # after the attention: the model keeps them here, ``(kv16, slot)``, for write_token.
-    defer_writes = False
-    deferred = None
 
     def _slots_for(self, total: int) -> int:
         """``total`` positions' slots, rounded up to ``step``."""

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cache import make_cache
+from .cache import kv_write_mode, make_cache
 from .config import ModelConfig
 from .decode import position_array
 from .layers import Norm
@@ -128,12 +128,14 @@ class Block(nn.Module):
         gate = y if cfg.attn_gate else None
         if route.takes_norms_into_attention(cache.kv) and not tracing():
             # the norms and RoPE inside the attention's dispatch, which reads the token's own K/V from
-            # registers and hands them out for the cache's slot (written after it, off the critical path)
+            # registers and hands out the planes with its slot written (or the K/V for a write after
+            # it: kv_write_mode)
+            through = kv_write_mode() == "through"
             o, kv = route.attn_decode_token(y, norm_w, cfg.rms_eps, pos, rope, cfg, cache.kv,
                                             cache.decode_geometry(), scale, gate, qw + kw, qw + 2 * kw,
-                                            (1, 1, qw), (2, 1, Hkv, 1, D))
-            if cache.defer_writes:
-                cache.deferred = (kv, slot)  # the caller writes it (DecodeStep: after the forward)
+                                            (1, 1, qw), (2, 1, Hkv, 1, D), through=through)
+            if through:
+                cache.kv = kv
             else:
                 cache.write_token(kv, slot)
         else:

@@ -351,16 +351,17 @@ class PinnedRoute(Route):
         return kernels.attention.with_its_norms(planes.shape[-2], planes.shape[-1])
 
     def attn_decode_token(self, y, weights, eps, pos, rope, cfg, planes, geometry, scale, gate, v_offset,
-                          gate_offset, out_shape, kv_shape):
+                          gate_offset, out_shape, kv_shape, through=False):
         """:meth:`qk_rope_pack` and the one-dispatch :meth:`attn_decode` in one dispatch (the same
-        bits): ``(out, kv)``, the token's f16 K/V for the caller to write into the planes. With
+        bits): ``(out, kv)``, the token's f16 K/V for the caller to write into the planes (with
+        ``through``, the planes with its slot written, for the cache to take as they are). With
         ``mv_q8`` and ``MUSE_MLX_Q8_ATTN=1`` it also writes ``out`` quantized, for attn_output."""
         self.count("attn_decode_fused (+ qk_rope_pack)")
         q8_out = "mv_q8" in self.flags and cfg.q_width % 32 == 0 and kernels.mul_mv.q8_from_attention()
         res = kernels.attention.attn_decode_token(
             y, weights, eps, pos, rope, planes, geometry, scale, gate, n_head=cfg.n_head, rd=cfg.rope_dims,
             traditional=cfg.rope_traditional, v_offset=v_offset, nth=kernels.norm_threads(cfg.head_dim, self.geometry),
-            gate_offset=gate_offset, out_shape=out_shape, kv_shape=kv_shape, q8_out=q8_out)
+            gate_offset=gate_offset, out_shape=out_shape, kv_shape=kv_shape, q8_out=q8_out, through=through)
         if q8_out:
             self._forms["q8"] = (res[0], res[2])
         return res[:2]

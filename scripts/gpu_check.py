@@ -898,6 +898,35 @@ def check_q8_outputs(rng, quick):
     compare("decode step, q8 hand-offs on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", both, base)
 
 
+def check_kv_through(rng, quick):
+    """The attention with its norms handing its planes out whole (MUSE_MLX_KV_WRITE=through, THRU):
+    its output the plain kernel's, its planes the input's with the token's K/V at its slot (the
+    plain kernel's K/V), at the release heads with caches of 256 and 1,024 positions (a thread's
+    first two words only, then more) and a wrapped ring; then a tiny model's compiled decode,
+    through against a scatter after each attention (MUSE_MLX_KV_WRITE=layer)."""
+    h, hkv, d = (32, 2, 128) if not quick else (8, 2, 64)
+    rows, v_off = h + hkv, (h + hkv) * d
+    for cap, window, pos in ((256, 0, 133), (1024, 0, 1000), (512, 512, 1300)):
+        y, w, table = randn(rng, v_off + hkv * d), randn(rng, rows, d), attention.rope_table(d, 10000.0, 1.0)
+        kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
+        args = (y, w, 1e-6, mx.array([pos], dtype=mx.int32), table, kv, attention.decode_geometry(cap, window),
+                d ** -0.5, None)
+        kw = dict(n_head=h, rd=d, traditional=False, v_offset=v_off, nth=32)
+        case = f"{h} heads of {d}, pos {pos}, cap {cap}" + (", ring" if window else "")
+        plain, plain_kv = gpu(attention.attn_decode_token, *args, **kw)
+        out, planes = gpu(attention.attn_decode_token, *args, through=True, **kw)
+        want = np.array(kv)
+        want[:, :, pos % cap] = np.array(plain_kv)
+        compare("attn_decode_fused THRU output", case, out, plain)
+        compare("attn_decode_fused THRU planes", case, planes, mx.array(want))
+    model, tokens = tiny_model(rng, 24)
+    with env("MUSE_MLX_KV_WRITE", "layer"):
+        base = tiny_decode(model, tokens, True)
+    with env("MUSE_MLX_KV_WRITE", "through"):
+        thru = tiny_decode(model, tokens, True)
+    compare("decode step, planes through == scatters after", "tiny muse-glimmer, 16 tokens", thru, base)
+
+
 def transcendental_ulps(rng, quick=False):
     """The GPU's rsqrt/exp/tanh against correctly rounded values, on 1M arguments each (64K quick:
     the float64 references run on the CPU and took most of a quick run's four minutes)."""
@@ -918,7 +947,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps,
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
-                decode_step=check_decode_step, q8_outputs=check_q8_outputs,
+                decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
                 transcendentals=transcendental_ulps)
 
 

@@ -173,11 +173,12 @@ def test_sliding_cache_memory_is_bounded_over_long_decode(tiny):
     assert len(set(sizes[10:])) == 1 and sizes[10] < sizes[-1] + 1
 
 
-def test_decode_step_writes_the_handed_out_kv_after_its_forward(tiny, monkeypatch):
-    """The attention with its norms hands the token's K/V out; DecodeStep writes them after the
-    forward, in a graph of their own (MUSE_MLX_KV_WRITE=end, the default), the same with every plane
-    copied first (end-copy), or after each attention (layer): the same logits and planes, bit for
-    bit, every way; any other value is an error."""
+def test_decode_step_takes_the_planes_the_attention_hands_out(tiny, monkeypatch):
+    """The attention with its norms hands the planes out whole, the token's slot written, and the
+    caches take them (MUSE_MLX_KV_WRITE=through, the default), or hands the token's K/V out for a
+    scatter into the planes after it (layer): the same logits and planes, bit for bit, either way
+    (the kernel's copy against its oracle is test_decode_kernels.py's, in the emulator); any other
+    value is an error."""
     from muse_mlx.decode import DecodeStep
 
     def address(a):  # where a plane's bytes are (the CPU's buffer, no copy)
@@ -186,31 +187,29 @@ def test_decode_step_writes_the_handed_out_kv_after_its_forward(tiny, monkeypatc
 
     model = load_model(tiny("muse-glimmer"), "pinned")
     runs, in_place = {}, {}
-    for mode in ("end", "end-copy", "layer"):
+    for mode in ("through", "layer"):
         monkeypatch.setenv("MUSE_MLX_KV_WRITE", mode)
         cache = model.make_cache()
         model(mx.array([TOKENS[:6]]), cache)
         step = DecodeStep(model, cache, capacity=64, compiled=False)
+        assert model.route.takes_norms_into_attention(cache[0].kv)
         logits, in_place[mode] = [], 0
         for t in TOKENS[6:12]:
             before = [address(c.kv) for c in cache]
             logits.append(np.array(step(mx.array([t]))))
             in_place[mode] += sum(address(c.kv) == b for c, b in zip(cache, before))
-        assert step._deferred == [mode != "layer"] * model.cfg.n_layer
         runs[mode] = logits, [np.array(c.kv) for c in cache], [c.offset for c in cache]
-    # end-copy writes every plane into a copy; the others write in place where nothing holds the
+    # through makes new planes every token; the scatters write in place where nothing holds the
     # plane, which on the CPU, whose evaluations have run by then, is every plane
-    assert in_place["end-copy"] == 0 and in_place["end"] == in_place["layer"] == 6 * model.cfg.n_layer
-    la, pa, oa = runs["end"]
-    for other in ("end-copy", "layer"):
-        lb, pb, ob = runs[other]
-        assert oa == ob == [12] * model.cfg.n_layer
-        for x, y in zip(la, lb):
-            np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
-        for x, y in zip(pa, pb):
-            np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
-    monkeypatch.setenv("MUSE_MLX_KV_WRITE", "later")
-    with pytest.raises(ValueError, match="MUSE_MLX_KV_WRITE='later'"):
+    assert in_place["through"] == 0 and in_place["layer"] == 6 * model.cfg.n_layer
+    (la, pa, oa), (lb, pb, ob) = runs["through"], runs["layer"]
+    assert oa == ob == [12] * model.cfg.n_layer
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+    for x, y in zip(pa, pb):
+        np.testing.assert_array_equal(x.view(np.uint16), y.view(np.uint16))
+    monkeypatch.setenv("MUSE_MLX_KV_WRITE", "end")
+    with pytest.raises(ValueError, match="MUSE_MLX_KV_WRITE='end': expected through or layer"):
         step(mx.array([3]))
 
 

@@ -1073,6 +1073,31 @@ def test_attention_with_its_norms_is_the_two_kernels(h, hkv, d, cap, window, pos
 
 
 @emulator
+@pytest.mark.parametrize("case", TOKEN_CASES)
+def test_attention_hands_out_its_planes_whole(case):
+    """attn_decode_token with ``through`` (THRU): the planes come out whole, every slot the input's
+    but the token's, which holds its K/V -- the oracle's copy of the planes, bit for bit (the
+    emulator's outputs start as NaN bytes, so a row no thread copies fails) -- and the output is the
+    plain kernel's. The cases cover a wrapped ring, a window, the token in the last slot and caches
+    of 64 to 1,024 positions, so threads copy from none to several words past their first two."""
+    h, hkv, d, cap, window, pos, trad, norm, rope, gated = case
+    rows, v_off, y, gate, w, table, kv, p, geom = token_case_inputs(h, hkv, d, cap, window, pos, norm, rope)
+    kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off, nth=32, gate_offset=40 if gated else 0)
+    args = (y, w, 1e-6, p, table, kv, geom, d ** -0.5, gate if gated else None)
+    got, got_planes = emulate_recorded(attention.attn_decode_token, *args, through=True, **kw)
+    plain, plain_kv = emulate_recorded(attention.attn_decode_token, *args, **kw)
+    assert got_planes.shape == kv.shape and got_planes.dtype == mx.float16
+    assert_bits_equal(got, plain)
+    want = np.array(kv)
+    want[:, :, pos % cap] = np.array(plain_kv)
+    assert_bits_equal(got_planes, mx.array(want))
+    _, oracle_planes = attention.attn_decode_token_oracle(
+        y, w, 1e-6, pos, table, kv, window, d ** -0.5, None if not gated else gate[40:], d=d, exp=libm("expf"),
+        sin=libm("sinf"), cos=libm("cosf"), through=True, **{k: kw[k] for k in ("n_head", "rd", "traditional", "v_offset")})
+    assert_bits_equal(oracle_planes, mx.array(want))
+
+
+@emulator
 @pytest.mark.parametrize("case", [TOKEN_CASES[0], TOKEN_CASES[2], TOKEN_CASES[5]])
 def test_attention_writes_its_output_quantized(case):
     """attn_decode_fused_q8 (opt-in q8 route, MUSE_MLX_Q8_ATTN=1): the attention with its norms that

@@ -98,10 +98,10 @@ def test_q8_q6k_splits_the_Q6_K_weights_and_gives_them_back(tiny, monkeypatch):
     model(mx.array([[7]]), cache)
     monkeypatch.undo()
     # per layer the projections, attn_output, the GLU, ffn_down, then the head: quantized by the tail
-    # before them, ffn_down by the GLU (MUSE_MLX_Q8_GLU_OUT's default), but for layer 0's projections
-    # (after the standalone attn_norm) and attn_output (after the attention)
+    # before them, ffn_down by the GLU (MUSE_MLX_Q8_GLU_OUT's default), attn_output by the attention
+    # (MUSE_MLX_Q8_ATTN's), but for layer 0's projections (after the standalone attn_norm)
     L = model.cfg.n_layer
-    assert [given for _, given in calls] == [False, False, True, True] + [True, False, True, True] * (L - 1) + [True]
+    assert [given for _, given in calls] == [False, True, True, True] + [True] * 4 * (L - 1) + [True]
     assert sum("q6_K_split" in kinds for kinds, _ in calls) > L // 2  # split matrices among them
     d = dict(model.route.dispatches)  # this token's (the decode step below adds its own)
     # the same through the decode step (last_only): the head still takes the last tail's q8

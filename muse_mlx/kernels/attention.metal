@@ -344,11 +344,20 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
 // for K and V). The token's key and value are read from there, not from the cache, whose write
 // comes after this dispatch (kvnew, [2, HKV, D] f16: written by the first query head of each
 // group, for the caller to scatter into the planes). The same values, so the same bits.
+// THRU = 1 (with NEW) hands the planes out whole instead: kvnew is then [2, HKV, cap, D], the input
+// planes with the token's slot written, so that the cache takes it as its planes and no write
+// follows the dispatch (a scatter a layer and a token: their launches, on the host and the GPU,
+// were what the writes cost). The other rows are copied by threadgroups of their own, after the
+// query heads' in the grid (CPW words of 16 bytes a thread), on SMs the attention leaves idle: a
+// share of the copy in each query head's threadgroup cost it 2.3-2.6 us a layer on the H200.
 // inputs: q, kv, pos, geom, scale as attn_decode_partial; gate as attn_decode_combine; nw (its w),
 //         eps, rope as qk_rope_pack (NEW only; any arrays otherwise)
-// outputs: out [HKV*G*D]; kvnew [2, HKV, D] (NEW only); grid (NTF, HKV*G, 1), threadgroup (NTF, 1, 1);
+// outputs: out [HKV*G*D]; kvnew [2, HKV, D] (NEW only; [2, HKV, cap, D] with THRU);
+//          grid (NTF, HKV*G, 1) (THRU: HKV*G + ceil(2*HKV*cap*D/8 / (NTF*CPW)) threadgroups),
+//          threadgroup (NTF, 1, 1);
 // templates G, D, NTF (>= D), CMAX (32: a split's keys are a SIMD group's lanes), SMAX, HKV, GATE,
-// GOFF, NEW, and with NEW those of qk_rope_pack: NORM, ROPE, TRAD, RD, VOFF.
+// GOFF, NEW, THRU, CPW (THRU: words a copying thread copies), and with NEW those of qk_rope_pack:
+// NORM, ROPE, TRAD, RD, VOFF.
 // D is 32, 64 or 128: lane l's output dimensions are VPL*l .. VPL*l + VPL - 1, VPL = D/32.
 // Bound by latency: the first round's loads are issued before the q row is in threadgroup
 // memory, and the serial chains run to constant bounds (with a guard), so their loads are
@@ -359,6 +368,20 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
     const uint kvh = h / G;
     const int p_new = pos[0];
     const int cap = geom[0];
+    if (THRU && h >= HKV * G) {
+        // a copy threadgroup: CPW 16-byte words of the planes a thread, all loaded, then stored, but
+        // the token's slot (its query heads' threadgroups write that row)
+        const uint words = 2u * HKV * uint(cap) * uint(D / 8);
+        const uint first = (h - HKV * G) * uint(NTF) * CPW + tid;
+        uint4 cw[CPW];
+        for (uint k = 0; k < CPW; ++k)
+            if (first + k * NTF < words) cw[k] = ((device const uint4*)kv)[first + k * NTF];
+        for (uint k = 0; k < CPW; ++k) {
+            const uint i = first + k * NTF;
+            if (i < words && int((i / uint(D / 8)) % uint(cap)) != p_new % cap) ((device uint4*)kvnew)[i] = cw[k];
+        }
+        return;
+    }
     const int window = geom[1];
     const int lo = first_visible(p_new, window);
     const int n = p_new - lo + 1;
@@ -377,6 +400,10 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
     threadgroup uint4 vnew4[NEW ? D / 8 : 1];
     device const half* kplane = kv + (ulong)kvh * cap * D;
     device const half* vplane = kv + ((ulong)HKV + kvh) * cap * D;
+    // THRU: the token's K/V rows go to the planes' slot in kvnew (else a plane row apart)
+    const int slot = p_new % cap;
+    const ulong kv_plane = THRU ? (ulong)cap * D : (ulong)D;
+    const ulong kv_slot = THRU ? (ulong)slot * D : 0ul;
     if (!NEW)
         for (uint i = tid; i < D; i += NTF) qs[i] = q[(ulong)h * D + i] * scale[0];
     const int rounds = (used + NSG - 1) / NSG;
@@ -445,7 +472,7 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
                 for (uint i = lane; i < uint(D); i += 32u) {
                     const half v = half(q[VOFF + kvh * D + i]);
                     ((MUSE_TG half*)vnew4)[i] = v;
-                    if (h % G == 0u) kvnew[(HKV + kvh) * D + i] = v;
+                    if (h % G == 0u) kvnew[(HKV + kvh) * kv_plane + kv_slot + i] = v;
                 }
             }
             threadgroup_barrier(mem_flags::mem_threadgroup);  // nrm is written
@@ -460,7 +487,7 @@ MUSE_FN float rope_rotate(float o, float other, float c, float sn, bool first) {
                     } else {
                         const half kh = half(o);
                         ((MUSE_TG half*)knew4)[i] = kh;
-                        if (h % G == 0u) kvnew[kvh * D + i] = kh;
+                        if (h % G == 0u) kvnew[kvh * kv_plane + kv_slot + i] = kh;
                     }
                 }
             }

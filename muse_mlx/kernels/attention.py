@@ -42,6 +42,9 @@ CB = 64
 # instead of two (fused_threadgroup_bytes: under Metal's 32 KB).
 FUSED_SPLITS = 32
 NTF = 256  # threads of a fused threadgroup: eight SIMD groups, each one split at a time
+# With the planes handed out whole (THRU), the 16-byte words of the planes each thread of a copy
+# threadgroup copies: all loaded before any is stored.
+COPY_WORDS = 4
 
 _QK_ROPE_PACK = Kernel("attention", "qk_rope_pack", ["y", "w", "eps", "pos", "rope"], ["qk", "kv"])
 _PARTIAL = Kernel("attention", "attn_decode_partial", ["q", "kv", "pos", "geom", "scale"],
@@ -297,18 +300,28 @@ def attn_decode(q, kv, pos: mx.array, geom: mx.array, scale: float, gate=None, w
     return out
 
 
-def _fused_template(g_per: int, d_head: int, hkv: int, gated: bool, gate_offset: int, new=None) -> list:
-    """attn_decode_fused's template; ``new``: qk_rope_pack's (NORM, ROPE, TRAD, RD, VOFF) for NEW = 1."""
+def _fused_template(g_per: int, d_head: int, hkv: int, gated: bool, gate_offset: int, new=None,
+                    through: bool = False) -> list:
+    """attn_decode_fused's template; ``new``: qk_rope_pack's (NORM, ROPE, TRAD, RD, VOFF) for NEW = 1;
+    ``through``: THRU = 1, the planes handed out whole (with NEW only)."""
     norm, rope, trad, rd, voff = new or (0, 0, 0, 0, 0)
     return [("G", g_per), ("D", d_head), ("NTF", NTF), ("CMAX", CMAX), ("SMAX", FUSED_SPLITS), ("HKV", hkv),
-            ("GATE", int(gated)), ("GOFF", gate_offset), ("NEW", int(new is not None)), ("NORM", norm),
-            ("ROPE", rope), ("TRAD", trad), ("RD", rd), ("VOFF", voff)]
+            ("GATE", int(gated)), ("GOFF", gate_offset), ("NEW", int(new is not None)),
+            ("THRU", int(through and new is not None)), ("CPW", COPY_WORDS), ("NORM", norm), ("ROPE", rope),
+            ("TRAD", trad), ("RD", rd), ("VOFF", voff)]
+
+
+def copy_threadgroups(hkv: int, cap: int, d_head: int) -> int:
+    """The threadgroups that copy the planes when :func:`attn_decode_token` hands them out whole
+    (THRU): :data:`COPY_WORDS` 16-byte words a thread, :data:`NTF` threads each."""
+    return -(-2 * hkv * cap * d_head // 8 // (NTF * COPY_WORDS))
 
 
 def attn_decode_token_oracle(y, w, eps, pos: int, rope, kv, window: int, scale: float, gate=None, *, n_head, d, rd,
-                             traditional, v_offset, exp=fp.exp, sin=fp.sin, cos=fp.cos):
+                             traditional, v_offset, exp=fp.exp, sin=fp.sin, cos=fp.cos, through: bool = False):
     """:func:`qk_rope_pack_oracle`, its K/V written into (a copy of) the planes at the token's slot,
-    then :func:`attn_decode_oracle`: ``(out [H*D], kv [2, HKV, D] f16)``."""
+    then :func:`attn_decode_oracle`: ``(out [H*D], kv [2, HKV, D] f16)``, or with ``through`` that
+    copy of the planes ``[2, HKV, cap, D]`` in place of the token's K/V."""
     hkv, cap = kv.shape[-3], kv.shape[-2]
     qk, kvn = qk_rope_pack_oracle(y, w, eps, pos, rope, rows=n_head + hkv, hkv=hkv, d=d, rd=rd,
                                   traditional=traditional, v_offset=v_offset, nth=32, sin=sin, cos=cos)
@@ -316,17 +329,19 @@ def attn_decode_token_oracle(y, w, eps, pos: int, rope, kv, window: int, scale: 
         planes = kv.reshape(2, hkv, cap, d)
         slot = pos % cap
         planes = mx.concatenate([planes[:, :, :slot], kvn[:, :, None], planes[:, :, slot + 1 :]], axis=2)
-    return attn_decode_oracle(qk, planes, pos, window, scale, gate, exp=exp, n_head=n_head), kvn
+    return attn_decode_oracle(qk, planes, pos, window, scale, gate, exp=exp, n_head=n_head), planes if through else kvn
 
 
 def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array, scale: float, gate=None, *,
                       n_head: int, rd: int, traditional: bool, v_offset: int, nth: int, gate_offset: int = 0,
-                      out_shape=None, kv_shape=None, q8_out: bool = False, which=None):
+                      out_shape=None, kv_shape=None, q8_out: bool = False, through: bool = False, which=None):
     """:func:`qk_rope_pack` and the one-dispatch :func:`attn_decode` in one dispatch: a token's
     attention straight from its projection output ``y`` (query heads, key heads, and V at
     ``v_offset``), with the same bits as the two. The token's K/V are read from the kernel's own
     registers, not from ``kv``, which the caller writes afterwards: returns ``(out [n_head*D],
-    kv [2, HKV, D] f16)`` (or the shapes given), the second for the cache's slot of ``pos``.
+    kv [2, HKV, D] f16)`` (or the shapes given), the second for the cache's slot of ``pos``; with
+    ``through``, the planes themselves with that slot written (``kv``'s shape; ``kv_shape`` is then
+    not used), for the cache to take as its planes (THRU in ``attention.metal``: no write after it).
     Takes what the one-dispatch attention takes (:func:`fused_fits`), with the norm's reduction at
     ``nth`` = 32 threads (every head of at most 128 has it under either norm geometry).
     ``q8_out`` (the opt-in q8 route): also return the output quantized as
@@ -338,12 +353,12 @@ def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array,
     if nth != 32:
         raise ValueError(f"attn_decode_token reduces a head's norm with one SIMD group (32 threads), not {nth}")
     shape = (n_head * d_head,) if out_shape is None else tuple(out_shape)
-    kv_shape = (2, hkv, d_head) if kv_shape is None else tuple(kv_shape)
+    kv_shape = kv.shape if through else (2, hkv, d_head) if kv_shape is None else tuple(kv_shape)
     if which == "cpu":
         g = None if gate is None else gate.reshape(-1)[gate_offset:]
         out, kvn = attn_decode_token_oracle(y, w, eps, int(pos.reshape(-1)[0].item()), rope, kv, int(geom[1].item()),
                                             scale, g, n_head=n_head, d=d_head, rd=rd, traditional=traditional,
-                                            v_offset=v_offset)
+                                            v_offset=v_offset, through=through)
         if q8_out:
             from .mul_mv import quantize_q8_rows
 
@@ -356,7 +371,8 @@ def attn_decode_token(y, w, eps: float, pos: mx.array, rope, kv, geom: mx.array,
         [y32, kv, pos, geom, constant(float(scale), F32), y32 if gate is None else gate.astype(F32),
          y32 if w is None else w.astype(F32), constant(float(eps), F32), y32 if rope is None else rope],
         [shape, kv_shape] + ([(n_out // 4,), (n_out // 16,)] if q8_out else []),
-        [F32, mx.float16] + ([mx.uint32, F32] if q8_out else []), grid=(NTF, n_head, 1), threadgroup=(NTF, 1, 1),
-        template=_fused_template(n_head // hkv, d_head, hkv, gate is not None, gate_offset, new), which=which,
+        [F32, mx.float16] + ([mx.uint32, F32] if q8_out else []),
+        grid=(NTF, n_head + (copy_threadgroups(hkv, cap, d_head) if through else 0), 1), threadgroup=(NTF, 1, 1),
+        template=_fused_template(n_head // hkv, d_head, hkv, gate is not None, gate_offset, new, through), which=which,
     )
     return (out, kvn, tuple(q8)) if q8_out else (out, kvn)

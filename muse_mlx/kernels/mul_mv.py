@@ -851,17 +851,18 @@ def q8_from_attention() -> bool:
     """Whether the one-dispatch attention with its norms also writes its output quantized
     (``attn_decode_fused_q8``) for the q8 attn_output after it (flag ``mv_q8``), which then reads
     it through ``mul_mv_q8_pre`` at 32 lanes a row: the per-threadgroup kernel's bits, with no
-    quantization in each of its threadgroups. ``MUSE_MLX_Q8_ATTN=1``; ``0``, the default until the
-    H200 has timed it (prepared in the twenty-sixth session, docs/performance.md)."""
-    return bool(_switch("MUSE_MLX_Q8_ATTN", False))
+    quantization in each of its threadgroups. ``MUSE_MLX_Q8_ATTN=1`` (the default: on the H200
+    attn_output 6.35 us a call against 8.4-9.4, the attention 0.3-0.4 us more, about 0.09 ms a token
+    less in kernels; twenty-seventh session, docs/performance.md) or ``0``."""
+    return bool(_switch("MUSE_MLX_Q8_ATTN", True))
 
 
 def q8_out_lanes() -> bool:
     """How the q8 GLU quantizes its own output (``mul_mv_q8_pre_q8out``, part q8_out): ``0`` (the
     default), one thread per group of 32 rows, reading them back from device memory after a
     barrier; ``1``, a SIMD group per group, a value a lane, from threadgroup memory. The same words
-    and scales either way. ``MUSE_MLX_Q8_OUT_LANES``; 1 is prepared for the H200 and not yet timed
-    (the part costs the GLU 1.5-2.7 us a call: docs/performance.md, twenty-sixth session)."""
+    and scales either way. ``MUSE_MLX_Q8_OUT_LANES``; on the H200 1 ran 45.4-45.6 us a GLU against
+    45.7 (twenty-seventh session, docs/performance.md): within a lease's noise, so 0 stays."""
     return bool(_switch("MUSE_MLX_Q8_OUT_LANES", False))
 
 
