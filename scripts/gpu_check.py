@@ -854,11 +854,11 @@ def check_decode_step(rng, quick):
 
 
 def check_q8_outputs(rng, quick):
-    """The opt-in q8 route's prepared hand-offs (twenty-sixth session): the attention with its norms
-    writing its output quantized (attn_decode_fused_q8, MUSE_MLX_Q8_ATTN=1) -- its float output and
-    K/V the plain kernel's, its words and scales quantize_q8's of that output -- and the q8 GLU
-    quantizing its output a SIMD group per 32 rows (MUSE_MLX_Q8_OUT_LANES=1) against one thread per
-    32 rows; then a tiny model's compiled decode with mv_q8 + mv_q8_q6k, with both on and off."""
+    """The opt-in q8 route's attention writing its output quantized (attn_decode_fused_q8,
+    MUSE_MLX_Q8_ATTN=1, the default) -- its float output and K/V the plain kernel's, its words and
+    scales quantize_q8's of that output -- then a tiny model's compiled decode with mv_q8 +
+    mv_q8_q6k, with it on and off. (Until the twenty-seventh session this also compared the q8
+    GLU's output quantized by SIMD groups, a form not kept.)"""
     h, hkv, d, cap = (32, 2, 128, 1024) if not quick else (8, 2, 64, 256)
     rows, v_off = h + hkv, (h + hkv) * d
     y, gate = randn(rng, v_off + hkv * d + h * d), None
@@ -876,26 +876,13 @@ def check_q8_outputs(rng, quick):
     want_qy, want_ds = mul_mv.quantize_q8_rows(out, which="cpu")
     compare("attn_decode_fused_q8 d, sum q (opt-in mv_q8)", case, ds, want_ds)
     compare("attn_decode_fused_q8 int8 words (opt-in mv_q8)", case, mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
-    D, ff = (6656, 19968) if not quick else (512, 768)
-    x, wg, wu = randn(rng, 1, D), random_blocks(ff, D, T.Q4_K, rng), random_blocks(ff, D, T.Q4_K, rng)
-    q8 = mul_mv.quantize_q8_rows(x, which=WHICH)
-    with env("MUSE_MLX_Q8_PRE_GEOMETRY", "2x4x4x1"):  # (threadgroups of 64 rows: whole groups of 32)
-        with env("MUSE_MLX_Q8_OUT_LANES", "0"):
-            one, (one_qy, one_ds) = gpu(K.mul_mv_q8, x, [(wg, "q4_K"), (wu, "q4_K")], glu="silu", q8=q8, q8_out=True)
-        with env("MUSE_MLX_Q8_OUT_LANES", "1"):
-            lanes, (l_qy, l_ds) = gpu(K.mul_mv_q8, x, [(wg, "q4_K"), (wu, "q4_K")], glu="silu", q8=q8, q8_out=True)
-    case = f"{ff}x{D} silu at 2x4x4x1, lanes against one thread"
-    compare("mul_mv_q8_pre_q8out output (opt-in mv_q8_q6k)", case, lanes, one)
-    compare("mul_mv_q8_pre_q8out d, sum q (opt-in mv_q8_q6k)", case, l_ds, one_ds)
-    compare("mul_mv_q8_pre_q8out int8 words (opt-in mv_q8_q6k)", case, mx.view(l_qy, mx.float32),
-            mx.view(one_qy, mx.float32))
     model, tokens = tiny_model(rng, 24)
     model.set_flags(["mv_q8", "mv_q8_q6k"])
-    with env("MUSE_MLX_Q8_ATTN", "0"), env("MUSE_MLX_Q8_OUT_LANES", "0"):
+    with env("MUSE_MLX_Q8_ATTN", "0"):
         base = tiny_decode(model, tokens, True)
-    with env("MUSE_MLX_Q8_ATTN", "1"), env("MUSE_MLX_Q8_OUT_LANES", "1"):
+    with env("MUSE_MLX_Q8_ATTN", "1"):
         both = tiny_decode(model, tokens, True)
-    compare("decode step, q8 hand-offs on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", both, base)
+    compare("decode step, q8 attention on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", both, base)
 
 
 def check_kv_through(rng, quick):

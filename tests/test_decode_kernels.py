@@ -448,17 +448,14 @@ def test_q8_pre_kernel_on_split_Q6_K(geometry, monkeypatch):
 
 
 @emulator
-@pytest.mark.parametrize("lanes", ["0", "1"])
 @pytest.mark.parametrize("geometry", ["2x4x4x1", "2x8x8x2", "1x4x4x1"])
-def test_q8_glu_writes_its_output_quantized(geometry, lanes, monkeypatch):
+def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
     """mul_mv_q8_pre_q8out (flag mv_q8_q6k, MUSE_MLX_Q8_GLU_OUT=1): the GLU's output, bit for bit
     the plain kernel's, and that output quantized as quantize_q8 quantizes it (two tokens; 128 rows,
-    two whole threadgroups of 64 rows at two geometries, four of 32 at the third), whether one thread
-    per group of 32 rows quantizes them or a SIMD group does (MUSE_MLX_Q8_OUT_LANES). With rows that
+    two whole threadgroups of 64 rows at two geometries, four of 32 at the third). With rows that
     are not whole threadgroups, or threadgroups not of whole groups of 32 (1x4x8: 16 rows), it gives
     no q8 (the next call quantizes)."""
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
-    monkeypatch.setenv("MUSE_MLX_Q8_OUT_LANES", lanes)
     y = arr(2, 512)
     y[1] = y[1] * 1e15  # the second token's outputs near 1e30
     a, c = qrows(128, 512, "q4_K"), qrows(128, 512, "q4_K")  # two threadgroups a token
@@ -493,11 +490,6 @@ def test_q8_pre_switch_is_checked(monkeypatch):
     monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "1x4x12")
     with pytest.raises(ValueError, match="LPR 4, 8, 16 or 32"):
         K.mul_mv_q8(arr(1, 256), [(qrows(4, 256, "q4_K"), "q4_K")], which="cpu")
-    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "2x4x4")
-    monkeypatch.setenv("MUSE_MLX_Q8_OUT_LANES", "yes")
-    q4 = qrows(64, 256, "q4_K")
-    with pytest.raises(ValueError, match="MUSE_MLX_Q8_OUT_LANES='yes': expected 0 or 1"):
-        K.mul_mv_q8(arr(1, 256), [(q4, "q4_K"), (q4, "q4_K")], glu="silu", q8_out=True, which="record")
 
 
 @emulator

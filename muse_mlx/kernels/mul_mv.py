@@ -857,15 +857,6 @@ def q8_from_attention() -> bool:
     return bool(_switch("MUSE_MLX_Q8_ATTN", True))
 
 
-def q8_out_lanes() -> bool:
-    """How the q8 GLU quantizes its own output (``mul_mv_q8_pre_q8out``, part q8_out): ``0`` (the
-    default), one thread per group of 32 rows, reading them back from device memory after a
-    barrier; ``1``, a SIMD group per group, a value a lane, from threadgroup memory. The same words
-    and scales either way. ``MUSE_MLX_Q8_OUT_LANES``; on the H200 1 ran 45.4-45.6 us a GLU against
-    45.7 (twenty-seventh session, docs/performance.md): within a lease's noise, so 0 stays."""
-    return bool(_switch("MUSE_MLX_Q8_OUT_LANES", False))
-
-
 def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
     """Activations ``[..., K]`` as ``quantize_q8`` writes them for mul_mv_q8_pre: ``qy``
     (uint32, four int8 to a word, little-endian) and ``ds`` (float32 pairs: d, sum of q per group
@@ -944,7 +935,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         if own_q8:
             dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                      (y.size // K * rows[0] // 16,)],
-                                        [F32, mx.uint32, F32], template=template + [("QL", int(q8_out_lanes()))],
+                                        [F32, mx.uint32, F32], template=template,
                                         **launch)
             return dst, (oqy, ods)
         kernel = _Q8_PRE_Q4K if all(Q8_PRE_TYPE[k] == 0 for k in kinds) else _Q8_PRE
