@@ -8,7 +8,6 @@ no per-op work for a token at all (the route's kernels are already built into th
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 
 from .cache import RingKVCache
