@@ -109,9 +109,11 @@ class Block(nn.Module):
     def decode_attention(self, a: mx.array, route: Route, cache, pos: mx.array, slot) -> mx.array:
         """One new token (batch 1) straight into the cache planes, in as few dispatches as the route has.
 
-        The four projections are one matvec dispatch; the Q- and K-norms, RoPE and the f16 K
-        and V are one more; K and V are written in place at ``slot``; attention and its output
-        gate read the planes directly. Every kernel reads its part of the projection output where
+        The four projections are one matvec dispatch. Where the one-dispatch attention fits, it
+        also takes the Q- and K-norms and RoPE and hands out the planes with the token's K/V at
+        ``slot`` (or the K/V, for a scatter after it: ``cache.kv_write_mode``); else the norms,
+        RoPE and the f16 K and V are one more dispatch, K and V are written in place at ``slot``,
+        and the attention and its output gate read the planes. Every kernel reads its part of the projection output where
         it lies (an offset, not a slice: each slice or reshape would be one more op per layer).
         ``pos`` is the token's position as an int32 [1] array, so nothing here depends on a
         Python-side count.
