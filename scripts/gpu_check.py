@@ -853,6 +853,29 @@ def check_decode_step(rng, quick):
     compare("decode step mx.compile == uncompiled", "tiny muse-glimmer, 32 tokens", outs[2], outs[1])
 
 
+def token_attention_args(rng, h, hkv, d, cap, window, pos):
+    """attn_decode_token's arguments for a random case, no gate: ``(args, kw)``."""
+    rows, v_off = h + hkv, (h + hkv) * d
+    y, w, table = randn(rng, v_off + hkv * d), randn(rng, rows, d), attention.rope_table(d, 10000.0, 1.0)
+    kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
+    args = (y, w, 1e-6, mx.array([pos], dtype=mx.int32), table, kv, attention.decode_geometry(cap, window),
+            d ** -0.5, None)
+    return args, dict(n_head=h, rd=d, traditional=False, v_offset=v_off, nth=32)
+
+
+def decode_ab(rng, name: str, base: str, other: str, flags=()) -> tuple[mx.array, mx.array]:
+    """A tiny model's compiled decode of 16 tokens with the switch ``name`` at ``other``, then at
+    ``base``: their logits."""
+    model, tokens = tiny_model(rng, 24)
+    if flags:
+        model.set_flags(list(flags))
+    outs = []
+    for value in (other, base):
+        with env(name, value):
+            outs.append(tiny_decode(model, tokens, True))
+    return outs[0], outs[1]
+
+
 def check_q8_outputs(rng, quick):
     """The opt-in q8 route's attention writing its output quantized (attn_decode_fused_q8,
     MUSE_MLX_Q8_ATTN=1, the default) -- its float output and K/V the plain kernel's, its words and
@@ -860,13 +883,7 @@ def check_q8_outputs(rng, quick):
     mv_q8_q6k, with it on and off. (Until the twenty-seventh session this also compared the q8
     GLU's output quantized by SIMD groups, a form not kept.)"""
     h, hkv, d, cap = (32, 2, 128, 1024) if not quick else (8, 2, 64, 256)
-    rows, v_off = h + hkv, (h + hkv) * d
-    y, gate = randn(rng, v_off + hkv * d + h * d), None
-    w, table = randn(rng, rows, d), attention.rope_table(d, 10000.0, 1.0)
-    kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
-    args = (y, w, 1e-6, mx.array([cap // 2 + 5], dtype=mx.int32), table, kv, attention.decode_geometry(cap, 0),
-            d ** -0.5, gate)
-    kw = dict(n_head=h, rd=d, traditional=False, v_offset=v_off, nth=32)
+    args, kw = token_attention_args(rng, h, hkv, d, cap, 0, cap // 2 + 5)
     case = f"{h} heads of {d}, ctx {cap // 2 + 6} of {cap}"
     plain, plain_kv = gpu(attention.attn_decode_token, *args, **kw)
     out, out_kv, (qy, ds) = gpu(attention.attn_decode_token, *args, q8_out=True, **kw)
@@ -876,42 +893,28 @@ def check_q8_outputs(rng, quick):
     want_qy, want_ds = mul_mv.quantize_q8_rows(out, which="cpu")
     compare("attn_decode_fused_q8 d, sum q (opt-in mv_q8)", case, ds, want_ds)
     compare("attn_decode_fused_q8 int8 words (opt-in mv_q8)", case, mx.view(qy, mx.float32), mx.view(want_qy, mx.float32))
-    model, tokens = tiny_model(rng, 24)
-    model.set_flags(["mv_q8", "mv_q8_q6k"])
-    with env("MUSE_MLX_Q8_ATTN", "0"):
-        base = tiny_decode(model, tokens, True)
-    with env("MUSE_MLX_Q8_ATTN", "1"):
-        both = tiny_decode(model, tokens, True)
-    compare("decode step, q8 attention on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", both, base)
+    on, off = decode_ab(rng, "MUSE_MLX_Q8_ATTN", "0", "1", ["mv_q8", "mv_q8_q6k"])
+    compare("decode step, q8 attention on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", on, off)
 
 
 def check_kv_through(rng, quick):
     """The attention with its norms handing its planes out whole (MUSE_MLX_KV_WRITE=through, THRU):
     its output the plain kernel's, its planes the input's with the token's K/V at its slot (the
-    plain kernel's K/V), at the release heads with caches of 256 and 1,024 positions (a thread's
-    first two words only, then more) and a wrapped ring; then a tiny model's compiled decode,
+    plain kernel's K/V), at the release heads with caches of 256 and 1,024 positions (16 and 64 copy
+    threadgroups) and a wrapped ring of 512; then a tiny model's compiled decode,
     through against a scatter after each attention (MUSE_MLX_KV_WRITE=layer)."""
     h, hkv, d = (32, 2, 128) if not quick else (8, 2, 64)
-    rows, v_off = h + hkv, (h + hkv) * d
     for cap, window, pos in ((256, 0, 133), (1024, 0, 1000), (512, 512, 1300)):
-        y, w, table = randn(rng, v_off + hkv * d), randn(rng, rows, d), attention.rope_table(d, 10000.0, 1.0)
-        kv = mx.array(rng.standard_normal((2, hkv, cap, d)).astype(np.float16))
-        args = (y, w, 1e-6, mx.array([pos], dtype=mx.int32), table, kv, attention.decode_geometry(cap, window),
-                d ** -0.5, None)
-        kw = dict(n_head=h, rd=d, traditional=False, v_offset=v_off, nth=32)
+        args, kw = token_attention_args(rng, h, hkv, d, cap, window, pos)
         case = f"{h} heads of {d}, pos {pos}, cap {cap}" + (", ring" if window else "")
         plain, plain_kv = gpu(attention.attn_decode_token, *args, **kw)
         out, planes = gpu(attention.attn_decode_token, *args, through=True, **kw)
-        want = np.array(kv)
+        want = np.array(args[5])
         want[:, :, pos % cap] = np.array(plain_kv)
         compare("attn_decode_fused THRU output", case, out, plain)
         compare("attn_decode_fused THRU planes", case, planes, mx.array(want))
-    model, tokens = tiny_model(rng, 24)
-    with env("MUSE_MLX_KV_WRITE", "layer"):
-        base = tiny_decode(model, tokens, True)
-    with env("MUSE_MLX_KV_WRITE", "through"):
-        thru = tiny_decode(model, tokens, True)
-    compare("decode step, planes through == scatters after", "tiny muse-glimmer, 16 tokens", thru, base)
+    thru, layer = decode_ab(rng, "MUSE_MLX_KV_WRITE", "layer", "through")
+    compare("decode step, planes through == scatters after", "tiny muse-glimmer, 16 tokens", thru, layer)
 
 
 def transcendental_ulps(rng, quick=False):

@@ -463,24 +463,18 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
             mx.zeros((2, HEADS_KV, short, HEAD_DIM), dtype=mx.float16), mx.array([5], dtype=mx.int32),
             attention.decode_geometry(short, 0), 0.088, mx.zeros((QW,)))
         if hasattr(attention, "attn_decode_token"):
-            rec(f"attn_decode_token ctx {short} (with the norms and RoPE)", attention.attn_decode_token,
-                mx.zeros((QW + 2 * KVW + QW,)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)), 1e-6,
-                mx.array([5], dtype=mx.int32), attention.rope_table(HEAD_DIM, 10000.0, 1.0),
-                mx.zeros((2, HEADS_KV, short, HEAD_DIM), dtype=mx.float16), attention.decode_geometry(short, 0),
-                0.088, mx.zeros((QW + 2 * KVW + QW,)), n_head=HEADS, rd=HEAD_DIM, traditional=False,
-                v_offset=QW + KVW, nth=32, gate_offset=QW + 2 * KVW)
-            rec(f"attn_decode_token ctx {short}, its output quantized too (q8 route, MUSE_MLX_Q8_ATTN=1)",
-                attention.attn_decode_token, mx.zeros((QW + 2 * KVW + QW,)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)),
-                1e-6, mx.array([5], dtype=mx.int32), attention.rope_table(HEAD_DIM, 10000.0, 1.0),
-                mx.zeros((2, HEADS_KV, short, HEAD_DIM), dtype=mx.float16), attention.decode_geometry(short, 0),
-                0.088, mx.zeros((QW + 2 * KVW + QW,)), n_head=HEADS, rd=HEAD_DIM, traditional=False,
-                v_offset=QW + KVW, nth=32, gate_offset=QW + 2 * KVW, q8_out=True)
-            rec(f"attn_decode_token ctx {short}, quantized, handing its planes out whole (MUSE_MLX_KV_WRITE=through)",
-                attention.attn_decode_token, mx.zeros((QW + 2 * KVW + QW,)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)),
-                1e-6, mx.array([5], dtype=mx.int32), attention.rope_table(HEAD_DIM, 10000.0, 1.0),
-                mx.zeros((2, HEADS_KV, short, HEAD_DIM), dtype=mx.float16), attention.decode_geometry(short, 0),
-                0.088, mx.zeros((QW + 2 * KVW + QW,)), n_head=HEADS, rd=HEAD_DIM, traditional=False,
-                v_offset=QW + KVW, nth=32, gate_offset=QW + 2 * KVW, q8_out=True, through=True)
+            token_args = (mx.zeros((QW + 2 * KVW + QW,)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)), 1e-6,
+                          mx.array([5], dtype=mx.int32), attention.rope_table(HEAD_DIM, 10000.0, 1.0),
+                          mx.zeros((2, HEADS_KV, short, HEAD_DIM), dtype=mx.float16),
+                          attention.decode_geometry(short, 0), 0.088, mx.zeros((QW + 2 * KVW + QW,)))
+            token_kw = dict(n_head=HEADS, rd=HEAD_DIM, traditional=False, v_offset=QW + KVW, nth=32,
+                            gate_offset=QW + 2 * KVW)
+            for label, extra in ((" (with the norms and RoPE)", {}),
+                                 (", its output quantized too (q8 route, MUSE_MLX_Q8_ATTN=1)", dict(q8_out=True)),
+                                 (", quantized, handing its planes out whole (MUSE_MLX_KV_WRITE=through)",
+                                  dict(q8_out=True, through=True))):
+                rec(f"attn_decode_token ctx {short}{label}", attention.attn_decode_token, *token_args, **token_kw,
+                    **extra)
     return out
 
 

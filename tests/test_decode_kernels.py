@@ -1071,7 +1071,7 @@ def test_attention_hands_out_its_planes_whole(case):
     but the token's, which holds its K/V -- the oracle's copy of the planes, bit for bit (the
     emulator's outputs start as NaN bytes, so a row no thread copies fails) -- and the output is the
     plain kernel's. The cases cover a wrapped ring, a window, the token in the last slot and caches
-    of 64 to 1,024 positions, so threads copy from none to several words past their first two."""
+    of 64 to 1,024 positions, so 2 to 64 copy threadgroups."""
     h, hkv, d, cap, window, pos, trad, norm, rope, gated = case
     rows, v_off, y, gate, w, table, kv, p, geom = token_case_inputs(h, hkv, d, cap, window, pos, norm, rope)
     kw = dict(n_head=h, rd=d, traditional=trad, v_offset=v_off, nth=32, gate_offset=40 if gated else 0)

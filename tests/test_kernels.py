@@ -318,11 +318,12 @@ def record_all_kernels():
     for fused in (True, False):
         K.attn_decode(q, kv, mx.array([5], dtype=mx.int32), attention.decode_geometry(256, 0), 0.1, q, which="record",
                       fused=fused)
-    y = arr(10 * 128)  # 6 query heads, 2 KV heads, V at 8 * 128: the attention with its norms, writing its q8
-    attention.attn_decode_token(y, arr(8, 128), 1e-6, mx.array([5], dtype=mx.int32),
-                                attention.rope_table(128, 10000.0, 1.0), kv, attention.decode_geometry(256, 0), 0.1,
-                                n_head=6, rd=128, traditional=False, v_offset=8 * 128, nth=32, q8_out=True,
-                                which="record")
+    y = arr(10 * 128)  # 6 query heads, 2 KV heads, V at 8 * 128: the attention with its norms, writing its q8,
+    for through in (False, True):  # then handing its planes out whole too (THRU)
+        attention.attn_decode_token(y, arr(8, 128), 1e-6, mx.array([5], dtype=mx.int32),
+                                    attention.rope_table(128, 10000.0, 1.0), kv, attention.decode_geometry(256, 0), 0.1,
+                                    n_head=6, rd=128, traditional=False, v_offset=8 * 128, nth=32, q8_out=True,
+                                    through=through, which="record")
     calls = list(Kernel.recorded)
     assert {c["kernel"] for c in calls} == set(K.ALL_KERNELS)
     return calls

@@ -935,8 +935,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         if own_q8:
             dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                      (y.size // K * rows[0] // 16,)],
-                                        [F32, mx.uint32, F32], template=template,
-                                        **launch)
+                                        [F32, mx.uint32, F32], template=template, **launch)
             return dst, (oqy, ods)
         kernel = _Q8_PRE_Q4K if all(Q8_PRE_TYPE[k] == 0 for k in kinds) else _Q8_PRE
         (dst,) = kernel(mats + [qy, ds], out_shape, [F32], template=template, **launch)
