@@ -474,6 +474,32 @@ def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
         K.mul_mv_q8(y, mats[:1], q8_out=True, which="cpu")
 
 
+def test_q8_pre_geometry_per_call_class(monkeypatch):
+    """mul_mv_q8_pre's geometry classes: the GLU, the calls of at most FEW_ROWS rows and those of
+    more (the vocabulary head) take defaults of their own; MUSE_MLX_Q8_PRE_GEOMETRY overrides all
+    three, MUSE_MLX_Q8_PRE_GEOMETRY_FEW / _MANY their class alone, before it. On the CPU a "many"
+    call computes its oracle at that class's lanes per row, which give other bits than the GLU's."""
+    from muse_mlx.quants import split_q6_K
+
+    for name in ("MUSE_MLX_Q8_PRE_GEOMETRY", "MUSE_MLX_Q8_PRE_GEOMETRY_FEW", "MUSE_MLX_Q8_PRE_GEOMETRY_MANY"):
+        monkeypatch.delenv(name, raising=False)
+    assert [mul_mv.q8_call(r, g) for r, g in ((19968, True), (6656, False), (202048, False))] == ["glu", "few", "many"]
+    geo = lambda call: mul_mv.q8_pre_geometry("cuda", call)  # noqa: E731
+    assert geo("many") == mul_mv.Q8_PRE_MANY_GEOMETRY["cuda"] and geo("many")[2] != geo("glu")[2]
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", "1x4x8")
+    assert geo("glu") == geo("few") == geo("many") == (1, 4, 8, 1)
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY_MANY", "2x4x16x2")
+    assert (geo("glu"), geo("few"), geo("many")) == ((1, 4, 8, 1), (1, 4, 8, 1), (2, 4, 16, 2))
+    monkeypatch.delenv("MUSE_MLX_Q8_PRE_GEOMETRY")
+    monkeypatch.delenv("MUSE_MLX_Q8_PRE_GEOMETRY_MANY")
+    monkeypatch.setattr(mul_mv, "FEW_ROWS", 16)  # 40 rows: a "many" call
+    y, w = arr(1, 512), split_q6_K(qrows(40, 512, "q6_K"))
+    many_lanes, glu_lanes = mul_mv.q8_pre_geometry("cpu", "many")[2], mul_mv.q8_pre_geometry("cpu", "glu")[2]
+    want, other = mul_mv.mul_mv_q6_K_q8_oracle(y, w, many_lanes), mul_mv.mul_mv_q6_K_q8_oracle(y, w, glu_lanes)
+    assert not np.array_equal(np.array(want), np.array(other))  # the class's lanes are what is checked
+    assert_bits_equal(K.mul_mv_q8(y, [(w, "q6_K_split")], which="cpu"), want)
+
+
 def test_q8_calls_take_Q6_K_all_split_or_none():
     from muse_mlx.quants import split_q6_K
 

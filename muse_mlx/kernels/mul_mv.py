@@ -780,6 +780,11 @@ FEW_ROWS = 65536
 # 2026-12-02); inside the decode the ffn_down then ran 29.4 us, against 55.5 exact (docs/performance.md)
 Q8_PRE_FEW_GEOMETRY = {"cuda": (4, 4, 32, 1)}
 Q8_PRE_FEW_GEOMETRY["cpu"] = Q8_PRE_FEW_GEOMETRY["cuda"]  # LPR fixes the bits: the CPU's oracle takes CUDA's
+# The calls of more rows (the vocabulary head) likewise. CUDA: inside the H200's decode the split
+# Q6_K head ran 277 us at 4x8x32x1 against 320 at the GLU's 2x4x4x1, which it took before (280 at
+# 2x4x8x1, 285-288 at 2x8x16x1, 324-325 at 1x8x8x1; docs/performance.md, twenty-eighth session).
+Q8_PRE_MANY_GEOMETRY = {"cuda": (4, 8, 32, 1)}
+Q8_PRE_MANY_GEOMETRY["cpu"] = Q8_PRE_MANY_GEOMETRY["cuda"]
 
 
 def q8_call(rows: int, glu: bool) -> str:
@@ -787,17 +792,20 @@ def q8_call(rows: int, glu: bool) -> str:
     return "glu" if glu else "few" if rows <= FEW_ROWS else "many"
 
 
+_Q8_PRE_CLASS_GEOMETRY = {"few": Q8_PRE_FEW_GEOMETRY, "many": Q8_PRE_MANY_GEOMETRY}
+
+
 def q8_pre_geometry(which: str, call: str = "glu") -> tuple[int, int, int, int]:
     """``(NR0, NSG, LPR, U)`` of mul_mv_q8_pre for a call of class ``call`` (:func:`q8_call`):
-    ``MUSE_MLX_Q8_PRE_GEOMETRY=NR0xNSGxLPR[xU]`` overrides it for every call and
-    ``MUSE_MLX_Q8_PRE_GEOMETRY_FEW`` for the "few" calls alone (which otherwise take
-    Q8_PRE_FEW_GEOMETRY, else the GLU's)."""
-    name = "MUSE_MLX_Q8_PRE_GEOMETRY_FEW" if call == "few" and os.environ.get("MUSE_MLX_Q8_PRE_GEOMETRY_FEW") \
-        else "MUSE_MLX_Q8_PRE_GEOMETRY"
+    ``MUSE_MLX_Q8_PRE_GEOMETRY=NR0xNSGxLPR[xU]`` overrides it for every call, and
+    ``MUSE_MLX_Q8_PRE_GEOMETRY_FEW`` / ``_MANY`` for the "few" / "many" calls alone (which otherwise
+    take Q8_PRE_FEW_GEOMETRY / Q8_PRE_MANY_GEOMETRY where it has the backend, else the GLU's)."""
+    own = f"MUSE_MLX_Q8_PRE_GEOMETRY_{call.upper()}"
+    name = own if call in _Q8_PRE_CLASS_GEOMETRY and os.environ.get(own) else "MUSE_MLX_Q8_PRE_GEOMETRY"
     env = os.environ.get(name)
     if not env:
-        if call == "few" and which in Q8_PRE_FEW_GEOMETRY:
-            return Q8_PRE_FEW_GEOMETRY[which]
+        if which in _Q8_PRE_CLASS_GEOMETRY.get(call, {}):
+            return _Q8_PRE_CLASS_GEOMETRY[call][which]
         return Q8_PRE_GEOMETRY.get(which, (2, 4, 32, 1))
     try:
         parts = [int(v) for v in env.lower().split("x")]
