@@ -416,15 +416,21 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6(KVW, D), "q6_K"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
     q6s = lambda r, k: zeros_rows(r, k, "q6_K")  # noqa: E731  (the split form has the raw form's shape)
+    # a geometry None: each mul_mv_q8_pre call at CUDA's default for its class (the GLU's, the
+    # projections', the head's: mul_mv.q8_call), as in the decode; else every call at that one
+    cuda_class = {c: geo(mul_mv.q8_pre_geometry("cuda", c)) for c in ("glu", "few", "many")}
     for g in q8_pre_geoms:  # the GLU (and, forced, the rest): activations quantized once, then mul_mv_q8_pre
-        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g):  # the split Q6_K matrices (flag mv_q8_q6k) take it anyway
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g or cuda_class["glu"]), \
+                env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", g or cuda_class["few"]), \
+                env("MUSE_MLX_Q8_PRE_GEOMETRY_MANY", g or cuda_class["many"]):  # split Q6_K (mv_q8_q6k) takes it anyway
             rec(f"q8 Q6_K split ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q6s(D, FF), "q6_K_split")])
             rec(f"q8 Q6_K split head {VOCAB}x{D}", K.mul_mv_q8, y_d, [(q6s(VOCAB, D), "q6_K_split")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}(q6 split)+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6s(KVW, D), "q6_K_split"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too", K.mul_mv_q8, y_d,
                 [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
-        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g), env("MUSE_MLX_Q8_PRE", "all"):
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", g or cuda_class["glu"]), env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", g or cuda_class["few"]), \
+                env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])
             rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}", K.mul_mv_q8, y_d,
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")])
@@ -602,7 +608,7 @@ def main(argv=None) -> int:
     q6 = a.geometry_q6k.split(",") if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K"))]
     head = None if a.geometry_q6k else [geo(mul_mv.mv_geometry("tuned", "cuda", "q6_K head"))]
     q8 = a.q8_geometry.split(",") if a.q8_geometry else [geo(mul_mv._q8_geometry("cuda"))]
-    q8_pre = a.q8_pre_geometry.split(",") if a.q8_pre_geometry else [geo(mul_mv.q8_pre_geometry("cuda"))]
+    q8_pre = a.q8_pre_geometry.split(",") if a.q8_pre_geometry else [None]  # None: each call class its own
     calls = dedupe(record_calls(q4, q6, q8, not a.matvec_only, q4_single, q8_pre, head, q4_multi))
     if not a.matvec_only:
         missing = {k.name for k in K.ALL_KERNELS} - {c["kernel"].name for _, c in calls}
