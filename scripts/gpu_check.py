@@ -897,6 +897,32 @@ def check_q8_outputs(rng, quick):
     compare("decode step, q8 attention on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", on, off)
 
 
+def check_q8_glu_ahead(rng, quick):
+    """The q8 GLU with its activations in threadgroup memory and its weights a round ahead
+    (mul_mv_q8_glu_ahead, MUSE_MLX_Q8_GLU_AHEAD=1, opt-in): its output, and that output's int8
+    words and scales, the plain q8 GLU's (mul_mv_q8_pre_q8out) bit for bit, on the release shape
+    at the GLU's geometry and at 2x2x4x1; then a tiny model's compiled decode with mv_q8 +
+    mv_q8_q6k, with it on and off."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    x = randn(rng, 1, D)
+    mats = [(random_blocks(ff, D, T.Q4_K, rng), "q4_K"), (random_blocks(ff, D, T.Q4_K, rng), "q4_K")]
+    for geometry in (None, "2x2x4x1"):
+        with env("MUSE_MLX_Q8_PRE_GEOMETRY", geometry):
+            label = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
+            with env("MUSE_MLX_Q8_GLU_AHEAD", "0"):
+                plain, (plain_qy, plain_ds) = gpu(K.mul_mv_q8, x, mats, glu="silu", q8_out=True)
+            with env("MUSE_MLX_Q8_GLU_AHEAD", "1"):
+                out, (qy, ds) = gpu(K.mul_mv_q8, x, mats, glu="silu", q8_out=True)
+        case = f"{ff}x{D} silu at {label}"
+        compare("mul_mv_q8_glu_ahead output (opt-in mv_q8_q6k)", case, out, plain)
+        compare("mul_mv_q8_glu_ahead d, sum q (opt-in mv_q8_q6k)", case, ds, plain_ds)
+        compare("mul_mv_q8_glu_ahead int8 words (opt-in mv_q8_q6k)", case, mx.view(qy, mx.float32),
+                mx.view(plain_qy, mx.float32))
+    on, off = decode_ab(rng, "MUSE_MLX_Q8_GLU_AHEAD", "0", "1", ["mv_q8", "mv_q8_q6k"])
+    compare("decode step, q8 GLU a round ahead on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens",
+            on, off)
+
+
 def check_kv_through(rng, quick):
     """The attention with its norms handing its planes out whole (MUSE_MLX_KV_WRITE=through, THRU):
     its output the plain kernel's, its planes the input's with the token's K/V at its slot (the
@@ -938,6 +964,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
+                q8_glu_ahead=check_q8_glu_ahead,
                 transcendentals=transcendental_ulps)
 
 

@@ -429,6 +429,9 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6s(KVW, D), "q6_K_split"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too", K.mul_mv_q8, y_d,
                 [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
+            with env("MUSE_MLX_Q8_GLU_AHEAD", "1"):
+                rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too, a round ahead", K.mul_mv_q8, y_d,
+                    [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g or cuda_class["glu"]), env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", g or cuda_class["few"]), \
                 env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])

@@ -474,6 +474,35 @@ def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
         K.mul_mv_q8(y, mats[:1], q8_out=True, which="cpu")
 
 
+@emulator
+@pytest.mark.parametrize("geometry,k", [("2x4x4x1", 512), ("2x2x4x1", 768), ("2x8x8x1", 768), ("2x4x8x1", 1024)])
+def test_q8_glu_ahead_is_the_q8_glu(geometry, k, monkeypatch):
+    """mul_mv_q8_glu_ahead (MUSE_MLX_Q8_GLU_AHEAD=1): activations from threadgroup memory, weights a
+    round ahead in two register sets; its output and that output's q8 bit for bit the plain q8
+    GLU's, and the output its oracle's. Two tokens (the second near 1e30), 128 rows (whole
+    threadgroups of 64 or 32), rows of 2 and 3 blocks (an odd number of rounds at 4 lanes a row: the
+    second set's last round skipped) and 4 (8 lanes a row)."""
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
+    lanes = int(geometry.split("x")[2])
+    y = arr(2, k)
+    y[1] = y[1] * 1e15
+    a, c = qrows(128, k, "q4_K"), qrows(128, k, "q4_K")
+    mats = [(a, "q4_K"), (c, "q4_K")]
+    monkeypatch.setenv("MUSE_MLX_Q8_GLU_AHEAD", "0")
+    plain, (plain_qy, plain_ds) = emulate_recorded(K.mul_mv_q8, y, mats, glu="silu", q8_out=True)
+    monkeypatch.setenv("MUSE_MLX_Q8_GLU_AHEAD", "1")
+    launches = []
+    ahead = mul_mv._Q8_GLU_AHEAD
+    monkeypatch.setattr(mul_mv, "_Q8_GLU_AHEAD", lambda *a, **kw: launches.append(1) or ahead(*a, **kw))
+    out, (qy, ds) = emulate_recorded(K.mul_mv_q8, y, mats, glu="silu", q8_out=True)
+    assert launches == [1]  # the ahead kernel ran, not the plain one
+    assert_bits_equal(out, plain)
+    assert np.array_equal(np.array(qy), np.array(plain_qy))
+    assert_bits_equal(ds, plain_ds)
+    oracle = lambda w: mul_mv.mul_mv_q4_K_q8_oracle(y, w, lanes)  # noqa: E731
+    assert_bits_equal(out, ffn.silu_oracle(oracle(a), oracle(c), exp=libm("expf")))
+
+
 def test_q8_pre_geometry_per_call_class(monkeypatch):
     """mul_mv_q8_pre's geometry classes: the GLU, the calls of at most FEW_ROWS rows and those of
     more (the vocabulary head) take defaults of their own; MUSE_MLX_Q8_PRE_GEOMETRY overrides all

@@ -753,7 +753,11 @@ _Q8_PRE_Q4K = Kernel("mul_mv", "mul_mv_q8_pre_q4K", _Q8_PRE.inputs, ["dst"], use
 # the q8 GLU that also writes its output quantized (flag mv_q8_q6k; MUSE_MLX_Q8_GLU_OUT=0 turns it off)
 _Q8_PRE_OUT = Kernel("mul_mv", "mul_mv_q8_pre_q8out", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst", "oqy", "ods"],
                      uses=("ffn",), parts=("q8_pre_rows", "q8_pre_q4K", "q8_pre_out", "q8_out"))
-KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT)
+# the same GLU with its activations in threadgroup memory and its weights loaded a round ahead
+# (MUSE_MLX_Q8_GLU_AHEAD=1; the same bits)
+_Q8_GLU_AHEAD = Kernel("mul_mv", "mul_mv_q8_glu_ahead", _Q8_PRE_OUT.inputs, _Q8_PRE_OUT.outputs, uses=("ffn",),
+                       parts=("q8_pre_rows", "q8_ahead_q4K", "q8_pre_out", "q8_out"))
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT, _Q8_GLU_AHEAD)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
@@ -855,6 +859,14 @@ def q8_from_glu() -> bool:
     return _switch("MUSE_MLX_Q8_GLU_OUT", True) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
 
+def q8_glu_ahead() -> bool:
+    """Whether the q8 GLU that writes its output quantized runs as ``mul_mv_q8_glu_ahead`` (its
+    activations copied into threadgroup memory, its weights loaded a round ahead; the same bits):
+    ``MUSE_MLX_Q8_GLU_AHEAD=1``; ``0`` (the default: prepared in the twenty-eighth session, not yet
+    timed on a GPU) keeps ``mul_mv_q8_pre_q8out``."""
+    return bool(_switch("MUSE_MLX_Q8_GLU_AHEAD", False))
+
+
 def q8_from_attention() -> bool:
     """Whether the one-dispatch attention with its norms also writes its output quantized
     (``attn_decode_fused_q8``) for the q8 attn_output after it (flag ``mv_q8``), which then reads
@@ -941,9 +953,10 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
         if own_q8:
-            dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
-                                                                     (y.size // K * rows[0] // 16,)],
-                                        [F32, mx.uint32, F32], template=template, **launch)
+            kernel = _Q8_GLU_AHEAD if q8_glu_ahead() else _Q8_PRE_OUT
+            dst, oqy, ods = kernel(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
+                                                                (y.size // K * rows[0] // 16,)],
+                                   [F32, mx.uint32, F32], template=template, **launch)
             return dst, (oqy, ods)
         kernel = _Q8_PRE_Q4K if all(Q8_PRE_TYPE[k] == 0 for k in kinds) else _Q8_PRE
         (dst,) = kernel(mats + [qy, ds], out_shape, [F32], template=template, **launch)
