@@ -1271,10 +1271,10 @@ MUSE_FN float lane_group_sum(float v) {
 // a round ahead, into the other of two register sets, while the round before computes: the q8 GLU
 // otherwise waits on its loads with one round in flight per warp (docs/performance.md,
 // twenty-eighth session). The copy's barrier comes after the first round's weight loads are issued.
+    threadgroup int4 ys[K / 16];  // at the kernel's scope: Metal declares threadgroup memory nowhere deeper
+    threadgroup float4 dss[K / 64];
     {
     constexpr int NROWS = 2 * NR0;
-    threadgroup int4 ys[K / 16];
-    threadgroup float4 dss[K / 64];
     const uint row_bytes = nb * 144u;
     device const uchar* rp[NROWS];
     for (int r = 0; r < NROWS; ++r) {
