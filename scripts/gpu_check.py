@@ -897,29 +897,44 @@ def check_q8_outputs(rng, quick):
     compare("decode step, q8 attention on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", on, off)
 
 
-def check_q8_glu_ahead(rng, quick):
-    """The q8 GLU with its activations in threadgroup memory and its weights a round ahead
-    (mul_mv_q8_glu_ahead, MUSE_MLX_Q8_GLU_AHEAD=1, opt-in): its output, and that output's int8
-    words and scales, the plain q8 GLU's (mul_mv_q8_pre_q8out) bit for bit, on the release shape
-    at the GLU's geometry and at 2x2x4x1; then a tiny model's compiled decode with mv_q8 +
-    mv_q8_q6k, with it on and off."""
+def check_q8_ahead(rng, quick):
+    """The q8 calls with their activations in threadgroup memory and their weights a round ahead
+    (MUSE_MLX_Q8_AHEAD, opt-in): the GLU writing its q8 (mul_mv_q8_glu_ahead: its output, words and
+    scales) and the all-Q4_K calls (mul_mv_q8_pre_q4K_ahead: q|k|v|gate, attn_output, ffn_down) bit
+    for bit the plain kernels', on the release shapes at their classes' geometries and at one other
+    each; then a tiny model's compiled decode with mv_q8 + mv_q8_q6k, with it on (all) and off."""
     D, ff = (6656, 19968) if not quick else (512, 768)
-    x = randn(rng, 1, D)
-    mats = [(random_blocks(ff, D, T.Q4_K, rng), "q4_K"), (random_blocks(ff, D, T.Q4_K, rng), "q4_K")]
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h, o = randn(rng, 1, D), randn(rng, 1, ff), randn(rng, 1, qw)
+    q4 = lambda r, k: (random_blocks(r, k, T.Q4_K, rng), "q4_K")  # noqa: E731
+    glu = [q4(ff, D), q4(ff, D)]
     for geometry in (None, "2x2x4x1"):
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", geometry):
             label = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
-            with env("MUSE_MLX_Q8_GLU_AHEAD", "0"):
-                plain, (plain_qy, plain_ds) = gpu(K.mul_mv_q8, x, mats, glu="silu", q8_out=True)
-            with env("MUSE_MLX_Q8_GLU_AHEAD", "1"):
-                out, (qy, ds) = gpu(K.mul_mv_q8, x, mats, glu="silu", q8_out=True)
+            with env("MUSE_MLX_Q8_AHEAD", "0"):
+                plain, (plain_qy, plain_ds) = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
+            with env("MUSE_MLX_Q8_AHEAD", "glu"):
+                out, (qy, ds) = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
         case = f"{ff}x{D} silu at {label}"
         compare("mul_mv_q8_glu_ahead output (opt-in mv_q8_q6k)", case, out, plain)
         compare("mul_mv_q8_glu_ahead d, sum q (opt-in mv_q8_q6k)", case, ds, plain_ds)
         compare("mul_mv_q8_glu_ahead int8 words (opt-in mv_q8_q6k)", case, mx.view(qy, mx.float32),
                 mx.view(plain_qy, mx.float32))
-    on, off = decode_ab(rng, "MUSE_MLX_Q8_GLU_AHEAD", "0", "1", ["mv_q8", "mv_q8_q6k"])
-    compare("decode step, q8 GLU a round ahead on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens",
+    calls = (("q|k|v|gate", x, [q4(qw, D), q4(kvw, D), q4(kvw, D), q4(qw, D)]), ("attn_output", o, [q4(D, qw)]),
+             ("ffn_down", h, [q4(D, ff)]))
+    for name, y, mats in calls:
+        q8 = gpu(mul_mv.quantize_q8_rows, y)
+        call = mul_mv.q8_call(sum(w.shape[0] for w, _ in mats), False)
+        for geometry in (None, "2x4x32x1"):
+            with env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", geometry):
+                label = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH, call)))
+                with env("MUSE_MLX_Q8_AHEAD", "0"):
+                    plain = gpu(K.mul_mv_q8, y, mats, q8=q8)
+                with env("MUSE_MLX_Q8_AHEAD", "all"):
+                    out = gpu(K.mul_mv_q8, y, mats, q8=q8)
+            compare("mul_mv_q8_pre_q4K_ahead (opt-in mv_q8)", f"{name} at {label}", out, plain)
+    on, off = decode_ab(rng, "MUSE_MLX_Q8_AHEAD", "0", "all", ["mv_q8", "mv_q8_q6k"])
+    compare("decode step, q8 calls a round ahead on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens",
             on, off)
 
 
@@ -964,7 +979,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
-                q8_glu_ahead=check_q8_glu_ahead,
+                q8_ahead=check_q8_ahead,
                 transcendentals=transcendental_ulps)
 
 

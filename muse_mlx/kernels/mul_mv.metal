@@ -1174,7 +1174,11 @@ MUSE_FN float lane_group_sum(float v) {
         }
     }
     const uint sg_row = (tg * NSG + sgitg) * per_sg;
+
+// ==== part: q8_pre_live
     if (sg_row >= rows) return;  // the whole SIMD group: its butterflies need all 32 lanes
+
+// ==== part: q8_pre_lanes
     const uint first_row = sg_row + gi * NR0;
     const uint nb = K / 256;
     device const int4* yq4 = (device const int4*)qy + (ulong)t * (K / 16);
@@ -1263,23 +1267,26 @@ MUSE_FN float lane_group_sum(float v) {
     }
 
 // ==== part: q8_ahead_q4K
-// kernel mul_mv_q8_glu_ahead (parts q8_pre_rows, q8_ahead_q4K, q8_pre_out, q8_out: the q8 GLU
-// writing its output quantized, rows a whole number of threadgroups). OPT-IN, NOT EXACT (flag
-// mv_q8_q6k with MUSE_MLX_Q8_GLU_AHEAD=1): mul_mv_q8_pre_q8out's lanes, runs and order, so its bits
-// (U = 1), with two changes to when bytes arrive. The token's int8 activations and their (d, sum)
-// pairs are copied into threadgroup memory once per threadgroup, and each round's weights are loaded
-// a round ahead, into the other of two register sets, while the round before computes: the q8 GLU
-// otherwise waits on its loads with one round in flight per warp (docs/performance.md,
-// twenty-eighth session). The copy's barrier comes after the first round's weight loads are issued.
+// kernels mul_mv_q8_glu_ahead (parts q8_pre_rows, q8_ahead_q4K, q8_pre_out, q8_out: the q8 GLU
+// writing its output quantized) and mul_mv_q8_pre_q4K_ahead (q8_pre_rows, q8_ahead_q4K,
+// q8_pre_out: calls of Q4_K matrices only). OPT-IN, NOT EXACT (MUSE_MLX_Q8_AHEAD=glu or all):
+// mul_mv_q8_pre_q8out's and mul_mv_q8_pre_q4K's lanes, runs and order, so their bits (U = 1), with
+// two changes to when bytes arrive. The token's int8 activations and their (d, sum) pairs are copied
+// into threadgroup memory once per threadgroup, and each round's weights are loaded a round ahead,
+// into the other of two register sets, while the round before computes: the q8 matvecs otherwise
+// wait on their loads with one round in flight per warp (docs/performance.md, twenty-eighth
+// session). The copy's barrier comes after the first round's weight loads are issued, so every SIMD
+// group takes part (no q8_pre_live): one past the rows computes on its rows' clamped addresses and
+// stores nothing (q8_pre_out's guard).
     threadgroup int4 ys[K / 16];  // at the kernel's scope: Metal declares threadgroup memory nowhere deeper
     threadgroup float4 dss[K / 64];
     {
-    constexpr int NROWS = 2 * NR0;
+    constexpr int NROWS = (GLU == 1 ? 2 : 1) * NR0;
     const uint row_bytes = nb * 144u;
     device const uchar* rp[NROWS];
     for (int r = 0; r < NROWS; ++r) {
         const uint rr = min(first_row + uint(r % NR0), rows - 1u);
-        rp[r] = (r < NR0 ? w0 : w1) + (ulong)rr * row_bytes;
+        rp[r] = (GLU == 1 && r >= NR0 ? w1 : w) + (ulong)rr * row_bytes;
         sumf[r] = 0.0f;
     }
     uint4 hdr[2][NROWS], qar[2][NROWS], qbr[2][NROWS];

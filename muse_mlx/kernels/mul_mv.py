@@ -746,18 +746,21 @@ def mul_mv_q6_K_q8_oracle(y, w, lanes: int = 32) -> mx.array:
 _Q8 = Kernel("mul_mv", "mul_mv_q4_K_q8_multi", ["w0", "w1", "w2", "w3", "y"], ["dst"], uses=("ffn",))
 _QUANTIZE_Q8 = Kernel("mul_mv", "quantize_q8", ["y"], ["qy", "ds"])
 _Q8_PRE = Kernel("mul_mv", "mul_mv_q8_pre", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst"], uses=("ffn",),
-                 parts=("q8_pre_rows", "q8_pre_q6K", "q8_pre_q4K", "q8_pre_out"))
+                 parts=("q8_pre_rows", "q8_pre_live", "q8_pre_lanes", "q8_pre_q6K", "q8_pre_q4K", "q8_pre_out"))
 # the same for calls of Q4_K matrices only (the GLU among them): no split Q6_K lanes in its source
 _Q8_PRE_Q4K = Kernel("mul_mv", "mul_mv_q8_pre_q4K", _Q8_PRE.inputs, ["dst"], uses=("ffn",),
-                     parts=("q8_pre_rows", "q8_pre_q4K", "q8_pre_out"))
+                     parts=("q8_pre_rows", "q8_pre_live", "q8_pre_lanes", "q8_pre_q4K", "q8_pre_out"))
 # the q8 GLU that also writes its output quantized (flag mv_q8_q6k; MUSE_MLX_Q8_GLU_OUT=0 turns it off)
 _Q8_PRE_OUT = Kernel("mul_mv", "mul_mv_q8_pre_q8out", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst", "oqy", "ods"],
-                     uses=("ffn",), parts=("q8_pre_rows", "q8_pre_q4K", "q8_pre_out", "q8_out"))
-# the same GLU with its activations in threadgroup memory and its weights loaded a round ahead
-# (MUSE_MLX_Q8_GLU_AHEAD=1; the same bits)
+                     uses=("ffn",),
+                     parts=("q8_pre_rows", "q8_pre_live", "q8_pre_lanes", "q8_pre_q4K", "q8_pre_out", "q8_out"))
+# those two with their activations in threadgroup memory and their weights loaded a round ahead
+# (MUSE_MLX_Q8_AHEAD; the same bits)
 _Q8_GLU_AHEAD = Kernel("mul_mv", "mul_mv_q8_glu_ahead", _Q8_PRE_OUT.inputs, _Q8_PRE_OUT.outputs, uses=("ffn",),
-                       parts=("q8_pre_rows", "q8_ahead_q4K", "q8_pre_out", "q8_out"))
-KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT, _Q8_GLU_AHEAD)
+                       parts=("q8_pre_rows", "q8_pre_lanes", "q8_ahead_q4K", "q8_pre_out", "q8_out"))
+_Q8_PRE_Q4K_AHEAD = Kernel("mul_mv", "mul_mv_q8_pre_q4K_ahead", _Q8_PRE.inputs, ["dst"], uses=("ffn",),
+                           parts=("q8_pre_rows", "q8_pre_lanes", "q8_ahead_q4K", "q8_pre_out"))
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT, _Q8_GLU_AHEAD, _Q8_PRE_Q4K_AHEAD)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
@@ -859,12 +862,16 @@ def q8_from_glu() -> bool:
     return _switch("MUSE_MLX_Q8_GLU_OUT", True) and _q8_pre(("q4_K", "q4_K"), glu=True)
 
 
-def q8_glu_ahead() -> bool:
-    """Whether the q8 GLU that writes its output quantized runs as ``mul_mv_q8_glu_ahead`` (its
-    activations copied into threadgroup memory, its weights loaded a round ahead; the same bits):
-    ``MUSE_MLX_Q8_GLU_AHEAD=1``; ``0`` (the default: prepared in the twenty-eighth session, not yet
-    timed on a GPU) keeps ``mul_mv_q8_pre_q8out``."""
-    return bool(_switch("MUSE_MLX_Q8_GLU_AHEAD", False))
+def q8_ahead(glu: bool) -> bool:
+    """Whether a q8 call of Q4_K matrices only runs its rounds ahead (``mul_mv_q8_glu_ahead`` for
+    the GLU that writes its output quantized, ``mul_mv_q8_pre_q4K_ahead`` for the others: their
+    activations copied into threadgroup memory, their weights loaded a round ahead; the same bits):
+    ``MUSE_MLX_Q8_AHEAD=glu`` (the GLU), ``all`` (every such call) or ``0`` (the default: prepared in
+    the twenty-eighth session, not yet timed on a GPU)."""
+    mode = os.environ.get("MUSE_MLX_Q8_AHEAD", "0").lower()
+    if mode not in ("0", "glu", "all"):
+        raise ValueError(f"MUSE_MLX_Q8_AHEAD={mode!r}: expected 0, glu or all")
+    return mode == "all" or (mode == "glu" and glu)
 
 
 def q8_from_attention() -> bool:
@@ -923,6 +930,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     kinds = [k for _, k in weights]
     pre = _q8_pre(kinds, glu is not None, quantized=q8 is not None)
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
+    ahead = q8_ahead(glu is not None)  # read (and checked) on every backend, used by the GPU's
     if pre:
         nr0, nsg, lpr, u = q8_pre_geometry(which, call)
         per_tg = nr0 * nsg * (32 // lpr)
@@ -953,12 +961,13 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
         if own_q8:
-            kernel = _Q8_GLU_AHEAD if q8_glu_ahead() else _Q8_PRE_OUT
+            kernel = _Q8_GLU_AHEAD if ahead else _Q8_PRE_OUT
             dst, oqy, ods = kernel(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                 (y.size // K * rows[0] // 16,)],
                                    [F32, mx.uint32, F32], template=template, **launch)
             return dst, (oqy, ods)
-        kernel = _Q8_PRE_Q4K if all(Q8_PRE_TYPE[k] == 0 for k in kinds) else _Q8_PRE
+        q4k_only = all(Q8_PRE_TYPE[k] == 0 for k in kinds)
+        kernel = _Q8_PRE if not q4k_only else _Q8_PRE_Q4K_AHEAD if ahead else _Q8_PRE_Q4K
         (dst,) = kernel(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
         template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
