@@ -1138,10 +1138,11 @@ MUSE_FN float lane_group_sum(float v) {
     ds[2 * (ulong)g + 1] = float(sum);
 
 // ==== part: q8_pre_rows
-// kernels mul_mv_q8_pre (parts q8_pre_rows, q8_pre_q6K, q8_pre_q4K, q8_pre_out: Q4_K and split Q6_K
-// matrices), mul_mv_q8_pre_q4K (the same without q8_pre_q6K: calls of Q4_K matrices only, whose
-// source then holds no Q6_K lanes, see docs/kernels.md, "A kernel's source") and
-// mul_mv_q8_pre_q8out (mul_mv_q8_pre_q4K + q8_out, the GLU).
+// kernels mul_mv_q8_pre (parts q8_pre_rows, q8_pre_live, q8_pre_lanes, q8_pre_q6K, q8_pre_q4K,
+// q8_pre_out: Q4_K and split Q6_K matrices), mul_mv_q8_pre_q4K (the same without q8_pre_q6K: calls
+// of Q4_K matrices only, whose source then holds no Q6_K lanes, see docs/kernels.md, "A kernel's
+// source") and mul_mv_q8_pre_q8out (mul_mv_q8_pre_q4K + q8_out, the GLU); q8_ahead_q4K's kernels
+// take these parts but q8_pre_live.
 // OPT-IN, NOT EXACT (flag mv_q8): mul_mv_q4_K_q8_multi's arithmetic on activations that
 // quantize_q8 wrote once (no per-threadgroup quantization, no threadgroup memory, no barrier),
 // for up to four matrices (Y 0 Q4_K; Y 2 Q6_K in the split form, flag mv_q8_q6k: q6K_q8_run) or
