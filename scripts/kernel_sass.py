@@ -436,8 +436,9 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}, a round ahead", K.mul_mv_q8, y_d,
                     [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")], q8=q8_d)
                 rec(f"q8 ffn_down {D}x{FF}, a round ahead", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")], q8=q8_ff)
-                rec(f"q8 attn_output {D}x{QW}, a round ahead", K.mul_mv_q8, mx.zeros((1, QW)), [(q4(D, QW), "q4_K")],
-                    q8=mul_mv.quantize_q8_rows(mx.zeros((1, QW)), which="cpu"))
+                y_o = mx.zeros((1, QW))
+                rec(f"q8 attn_output {D}x{QW}, a round ahead", K.mul_mv_q8, y_o, [(q4(D, QW), "q4_K")],
+                    q8=mul_mv.quantize_q8_rows(y_o, which="cpu"))
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g or cuda_class["glu"]), env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", g or cuda_class["few"]), \
                 env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])

@@ -1268,9 +1268,9 @@ MUSE_FN float lane_group_sum(float v) {
     }
 
 // ==== part: q8_ahead_q4K
-// kernels mul_mv_q8_glu_ahead (parts q8_pre_rows, q8_ahead_q4K, q8_pre_out, q8_out: the q8 GLU
-// writing its output quantized) and mul_mv_q8_pre_q4K_ahead (q8_pre_rows, q8_ahead_q4K,
-// q8_pre_out: calls of Q4_K matrices only). OPT-IN, NOT EXACT (MUSE_MLX_Q8_AHEAD=glu or all):
+// kernels mul_mv_q8_glu_ahead (parts q8_pre_rows, q8_pre_lanes, q8_ahead_q4K, q8_pre_out, q8_out:
+// the q8 GLU writing its output quantized) and mul_mv_q8_pre_q4K_ahead (the same without q8_out:
+// calls of Q4_K matrices only). OPT-IN, NOT EXACT (MUSE_MLX_Q8_AHEAD=glu or all):
 // mul_mv_q8_pre_q8out's and mul_mv_q8_pre_q4K's lanes, runs and order, so their bits (U = 1), with
 // two changes to when bytes arrive. The token's int8 activations and their (d, sum) pairs are copied
 // into threadgroup memory once per threadgroup, and each round's weights are loaded a round ahead,
