@@ -48,6 +48,8 @@ Examples::
     python scripts/kernel_sass.py --kernel q4_K_f32 --sweep        # NR0/NSG/U/P variants
     python scripts/kernel_sass.py --kernel mul_mv_q4_K_f32 --sass > q4k.sass
     python scripts/kernel_sass.py --kernel q6_K_f32 --loops        # each loop's opcode mix
+    python scripts/kernel_sass.py --compiler nvrtc --as-launched --keep d2   # the #include form MLX
+                                                                   # gets: diff d2/*.sass with a run without
 """
 
 from __future__ import annotations
@@ -515,10 +517,10 @@ def short_template(tmpl) -> str:
     return " ".join(f"{k}={int(v)}" for k, v in (tmpl or []))
 
 
-def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool) -> dict:
+def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool, as_launched: bool = False) -> dict:
     kernel = c["kernel"]
     header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
-    src = header + Kernel.recorded_source(c)
+    src = header + Kernel.recorded_source(c, as_launched)
     cubin, log = tc.compile(src, tmp)
     text = tc.sass(cubin)
     insns = [i for i in parse_sass(text) if i["base"] != "NOP"]
@@ -602,6 +604,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loops", action="store_true", help="print every loop's opcode mix")
     ap.add_argument("--ops", help="comma-separated opcode columns (default: " + ",".join(KEY_OPS) + ")")
     ap.add_argument("--keep", help="write each .cu, .cubin, .sass and ptxas log into this folder")
+    ap.add_argument("--as-launched", action="store_true",
+                    help="compile the source as MLX gets it (header and body behind #include lines, "
+                         "backend.Kernel.launch_texts) instead of the texts themselves")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends us quietly
 
@@ -637,7 +642,7 @@ def main(argv=None) -> int:
     for k, (labels, c) in enumerate(calls):
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                r = analyse(tc, labels, c, Path(tmp), a.sass or bool(keep))
+                r = analyse(tc, labels, c, Path(tmp), a.sass or bool(keep), a.as_launched)
             except ToolError as e:
                 print(f"{c['kernel'].name} {short_template(c['template'])}: {e}", file=sys.stderr)
                 return 1

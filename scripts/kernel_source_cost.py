@@ -6,14 +6,19 @@ MLX's CUDA backend hashes a custom kernel's whole source at every launch
 (``CustomKernel::eval_gpu``, MLX 0.32), so the host's cost of a launch grows with the text. This
 times a chain of 400 tiny dependent kernels, compiled and not, whose sources differ only by a
 comment of 0-32 KB, and prints the median host time per kernel (15 runs). The GPU's work is
-negligible, so the chain is bound by the host. ``muse_mlx.kernels.backend.needed_header`` keeps
-each engine kernel's source to what it uses for this reason (docs/kernels.md, "A kernel's source").
+negligible, so the chain is bound by the host. Each size is timed twice: with the comment in the
+source MLX gets, and in a file that source names by one #include line (what the engine's kernels do
+since the twenty-ninth session: ``backend.Kernel.launch_texts``), whose cost should not grow with
+the text. ``muse_mlx.kernels.backend.needed_header`` trimmed the texts for the same reason
+(docs/kernels.md, "A kernel's source").
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -47,15 +52,18 @@ def main() -> int:
         print("kernel_source_cost: needs MLX's CUDA backend (mx.fast.cuda_kernel)", file=sys.stderr)
         return 2
     print(f"mlx {mx.__version__}, {mx.default_device()}")
+    folder = Path(tempfile.mkdtemp(prefix="source_cost_"))
     for kb in (0, 4, 8, 16, 32):
         pad = ("// " + "x" * 76 + "\n") * (kb * 1024 // 80)
-        kernel = mx.fast.cuda_kernel(name=f"source_cost_{kb}", input_names=["x"], output_names=["y"], source=BODY,
-                                     header=pad)
-        for compiled in (True, False):
-            med, low = per_kernel_us(kernel, compiled)
-            label = "compiled" if compiled else "uncompiled"
-            print(f"source +{kb:2d} KB  {label:10s}: {med:6.2f} us per kernel (median of {REPS}; min {low:.2f})",
-                  flush=True)
+        (folder / f"pad_{kb}.cuh").write_text(pad)
+        for where, header in (("inline", pad), ("file", f'#include "{folder}/pad_{kb}.cuh"\n')):
+            kernel = mx.fast.cuda_kernel(name=f"source_cost_{kb}_{where}", input_names=["x"], output_names=["y"],
+                                         source=BODY, header=header)
+            for compiled in (True, False):
+                med, low = per_kernel_us(kernel, compiled)
+                label = "compiled" if compiled else "uncompiled"
+                print(f"source +{kb:2d} KB {where:6s} {label:10s}: {med:6.2f} us per kernel "
+                      f"(median of {REPS}; min {low:.2f})", flush=True)
     return 0
 
 

@@ -1040,9 +1040,12 @@ def test_head_is_bounded_at_its_tuned_geometry_only(monkeypatch):
             mul_mv.head_min_blocks("cuda", tuned)
 
 
-def test_a_bounded_kernel_is_built_apart(monkeypatch):
+def test_a_bounded_kernel_is_built_apart(monkeypatch, tmp_path):
     """Kernel.build hands MLX a bounded CUDA variant under its own name, with the bound in its
     header, beside the unbounded kernel; Metal has no bound, so it gets the one kernel."""
+    from muse_mlx.kernels.backend import expand_includes
+
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE_DIR", str(tmp_path))
     made = []
 
     def recorder(**kw):
@@ -1055,7 +1058,8 @@ def test_a_bounded_kernel_is_built_apart(monkeypatch):
     plain, bounded = k.build("cuda"), k.build("cuda", (64, 8))
     assert plain is not bounded and k.build("cuda", (64, 8)) is bounded and k.build("cuda") is plain
     assert [m["name"] for m in made] == ["mul_mv_glu_f32", "mul_mv_glu_f32_lb64x8"]
-    assert "__launch_bounds__(64, 8)" in made[1]["header"] and "#undef __global__" not in made[0]["header"]
+    headers = [expand_includes(m["header"]) for m in made]  # (each an #include line of its text)
+    assert "__launch_bounds__(64, 8)" in headers[1] and "#undef __global__" not in headers[0]
     assert k.build("metal", (64, 8)) is k.build("metal") and len(made) == 3
 
 

@@ -484,6 +484,61 @@ def test_a_header_the_split_cannot_place_is_an_error():
     assert [name for name, _ in header_items("/* g(x) { */\nMUSE_FN int f() { return 1; }\n")] == ["f"]
 
 
+def test_cuda_launches_name_their_texts_by_include(tmp_path, monkeypatch):
+    """On CUDA, MLX gets each kernel's header and body as one #include line of a file holding the
+    text (MLX hashes the source it gets at every launch): for every kernel of every recorded call,
+    the translation unit with the files' texts put back is the inline one, character for character,
+    and what MLX gets is a small fraction of it. The files are named by their content."""
+    from muse_mlx.kernels.backend import expand_includes
+
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE_DIR", str(tmp_path / "src"))
+    inline = launched = 0
+    for c in record_all_kernels():
+        whole, short = Kernel.recorded_source(c), Kernel.recorded_source(c, as_launched=True)
+        assert expand_includes(short) == whole, c["kernel"].name
+        header, body = c["kernel"].launch_texts(c["bounds"])
+        for text in (header, body):
+            assert text.startswith(f'#include "{tmp_path / "src"}/') and text.count("\n") == 1, text
+        inline, launched = inline + len(whole), launched + len(short)
+    assert launched < inline / 10, (launched, inline)
+    files = sorted((tmp_path / "src").iterdir())
+    assert files and all(f.suffix == ".cuh" for f in files)  # (no temporary file left behind)
+    # the same text is the same file; another text another; a file that lost its text is rewritten
+    from muse_mlx.kernels.backend import included
+
+    line = included("int a;\n", "probe")
+    assert included("int a;\n", "probe") == line != included("int b;\n", "probe")
+    path = Path(line.split('"')[1])
+    path.write_text("int a")
+    assert included("int a;\n", "probe") == line and path.read_text() == "int a;\n"
+
+
+def test_cuda_sources_inline_on_request_or_when_the_folder_fails(tmp_path, monkeypatch):
+    """``MUSE_MLX_CUDA_SOURCE=inline`` hands MLX the texts themselves; a folder that cannot be made
+    does too, after a warning that names it; an unknown mode is an error naming the variable; a body
+    that names an input's _shape (which MLX passes only where its source text names it) stays inline."""
+    import importlib
+
+    B = importlib.import_module("muse_mlx.kernels.backend")
+    k = Kernel("mul_mv", "mul_mv_glu_f32", mul_mv._GLU.inputs, mul_mv._GLU.outputs, parts=mul_mv._GLU.parts)
+    texts = (k.cuda_header(), B.to_cuda(k.body))
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE", "inline")
+    assert k.launch_texts() == texts
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE", "files")
+    with pytest.raises(ValueError, match="MUSE_MLX_CUDA_SOURCE='files'"):
+        k.launch_texts()
+    monkeypatch.delenv("MUSE_MLX_CUDA_SOURCE")
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE_DIR", str(tmp_path / "a_file" / "src"))
+    monkeypatch.setattr(B, "_INCLUDE_FAILED", set())
+    with pytest.warns(UserWarning, match="a_file/src.*MUSE_MLX_CUDA_SOURCE_DIR"):
+        assert k.launch_texts() == texts
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE_DIR", str(tmp_path / "src"))
+    probe = Kernel(None, "probe", ["x"], ["y"], body="y[0] = x_shape[0];\n")
+    header, body = probe.launch_texts()
+    assert header.startswith("#include") and body == "y[0]=x_shape[0];\n"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_translation_of_every_kernel_compiles(tmp_path):
     """The same bodies behind prelude.cuh, as mx.fast.cuda_kernel assembles them, through nvcc."""

@@ -16,8 +16,10 @@ use, after :func:`to_cuda` drops the address-space words. Without a GPU (or with
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import re
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -311,6 +313,74 @@ def bounded_name(name: str, bounds: tuple[int, int] | None) -> str:
     return name if bounds is None else f"{name}_lb{bounds[0]}x{bounds[1]}"
 
 
+# MLX's CUDA backend hashes a custom kernel's whole source at every launch (CustomKernel::eval_gpu
+# names the module by std::hash of it, MLX 0.32), about 0.25 us a KB on the H200's hosts: 2 us a
+# launch for the average kernel, 0.7 ms a decoded token. So on CUDA the header and the body MLX gets
+# are each one #include line naming a file that holds the text; NVRTC reads the files once, when it
+# compiles (they must still be there then: they are written when the kernel is built). The files are
+# named by a hash of their content, so a changed text is a new file, a new source and a new module in
+# MLX's cache, never a stale one.
+SOURCE_MODES = ("file", "inline")
+
+
+def cuda_source_mode() -> str:
+    """``MUSE_MLX_CUDA_SOURCE``: ``file`` (default: texts behind #include lines) or ``inline``
+    (the texts themselves, as before)."""
+    mode = os.environ.get("MUSE_MLX_CUDA_SOURCE", "file").lower()
+    if mode not in SOURCE_MODES:
+        raise ValueError(f"MUSE_MLX_CUDA_SOURCE={mode!r}: expected one of {', '.join(SOURCE_MODES)}")
+    return mode
+
+
+def cuda_source_dir() -> Path:
+    """Where the included texts go: ``MUSE_MLX_CUDA_SOURCE_DIR``, else ``$XDG_CACHE_HOME`` (or
+    ``~/.cache``) ``/muse_mlx/cuda-sources``."""
+    given = os.environ.get("MUSE_MLX_CUDA_SOURCE_DIR")
+    if given:
+        return Path(given).expanduser().absolute()
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache).absolute() / "muse_mlx" / "cuda-sources"
+
+
+_INCLUDE_FAILED: set[str] = set()
+
+
+def included(text: str, label: str) -> str | None:
+    """``#include "<file>"`` for a file holding ``text`` (written if missing, atomically, so that
+    processes sharing the folder never read half a file); None, after one warning, where the folder
+    cannot be written or its path cannot be quoted. ``label`` begins the file's name."""
+    folder = cuda_source_dir()
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:24]
+    path = folder / f"{label}.{digest}.cuh"
+    if any(c in str(path) for c in '"\\\n'):
+        problem = "its path holds a quote, backslash or newline"
+    else:
+        try:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                folder.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(text, encoding="utf-8")
+                os.replace(tmp, path)
+            return f'#include "{path}"\n'
+        except OSError as e:
+            problem = str(e)
+    if str(folder) not in _INCLUDE_FAILED:
+        _INCLUDE_FAILED.add(str(folder))
+        warnings.warn(f"kernel sources go inline (MLX hashes them at every launch): cannot use {folder} "
+                      f"for them ({problem}); set MUSE_MLX_CUDA_SOURCE_DIR to a writable folder", stacklevel=3)
+    return None
+
+
+_INCLUDE_LINE = re.compile(r'^#include "([^"\n]+\.cuh)"\n', re.M)
+
+
+def expand_includes(text: str) -> str:
+    """``text`` with each of :func:`included`'s lines replaced by its file's text: what NVRTC compiles."""
+    folder = str(cuda_source_dir())
+    return _INCLUDE_LINE.sub(lambda m: Path(m.group(1)).read_text(encoding="utf-8") if m.group(1).startswith(folder) else m.group(0),
+                             text)
+
+
 class Kernel:
     """A named kernel body, built once per backend (and, on CUDA, per launch bound) on first use.
 
@@ -353,9 +423,10 @@ class Kernel:
                     source=self.body, header=METAL_PRELUDE + self.header,
                 )
             elif which == "cuda":
+                header, source = self.launch_texts(bounds)
                 self._built[key] = mx.fast.cuda_kernel(
                     name=bounded_name(self.name, bounds), input_names=self.inputs, output_names=self.outputs,
-                    source=to_cuda(self.body), header=self.cuda_header(bounds),
+                    source=source, header=header,
                 )
             else:
                 raise ValueError(f"no GPU kernel for backend {which!r}")
@@ -373,24 +444,45 @@ class Kernel:
         its launch bounds, then its families' helpers."""
         return cuda_prelude(self.header + self.body) + launch_bounds(bounds) + to_cuda(self.header)
 
-    def cuda_source(self, input_dtypes, output_dtypes, template, bounds: tuple[int, int] | None = None) -> str:
+    def launch_texts(self, bounds: tuple[int, int] | None = None) -> tuple[str, str]:
+        """The (header, body) :meth:`build` hands ``mx.fast.cuda_kernel``: :meth:`cuda_header` and the
+        body in CUDA's words, each as one #include line of a file holding it (:func:`included`),
+        or, with ``MUSE_MLX_CUDA_SOURCE=inline`` or where the files cannot be written, the texts."""
+        header, body = self.cuda_header(bounds), to_cuda(self.body)
+        if cuda_source_mode() == "file":
+            # a body that names an input's _shape, _strides or _ndim gets them from MLX only if its
+            # source text does (MLX 0.32 looks for the words there): such a body stays inline
+            asks = any(f"{n}_{w}" in body for n in self.inputs for w in ("shape", "strides", "ndim"))
+            label = bounded_name(self.name, bounds)
+            inc_header = included(header, label + ".header")
+            inc_body = None if asks or inc_header is None else included(body, label + ".body")
+            if inc_header is not None:
+                header = inc_header
+            if inc_body is not None:
+                body = inc_body
+        return header, body
+
+    def cuda_source(self, input_dtypes, output_dtypes, template, bounds: tuple[int, int] | None = None,
+                    as_launched: bool = False) -> str:
         """The translation unit ``mx.fast.cuda_kernel`` compiles (mirrors MLX 0.32's build_kernel),
-        minus MLX's own default header, which the caller supplies; ``bounds`` as for :meth:`build`."""
+        minus MLX's own default header, which the caller supplies; ``bounds`` as for :meth:`build`.
+        ``as_launched``: with the #include lines MLX gets (:meth:`launch_texts`), not the texts."""
+        header, body = self.launch_texts(bounds) if as_launched else (self.cuda_header(bounds), to_cuda(self.body))
         params = [f"    const {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.inputs, input_dtypes)]
         params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(self.outputs, output_dtypes)]
         consts = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {int(v)};\n" for k, v in template or [])
         return (
-            self.cuda_header(bounds)
+            header
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void custom_kernel_{bounded_name(self.name, bounds)}(\n" + ",\n".join(params) + ") {\n"
-            + consts + to_cuda(self.body) + "\n}\n\n} // namespace mlx::core::cu\n"
+            + consts + body + "\n}\n\n} // namespace mlx::core::cu\n"
         )
 
     @staticmethod
-    def recorded_source(call: dict) -> str:
+    def recorded_source(call: dict, as_launched: bool = False) -> str:
         """:meth:`cuda_source` of a call recorded in :attr:`recorded` (its kernel, dtypes, template, bounds)."""
         return call["kernel"].cuda_source([a.dtype for a in call["inputs"]], call["output_dtypes"], call["template"],
-                                          call["bounds"])
+                                          call["bounds"], as_launched)
 
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, template, which=None,
                  min_blocks: int = 0, **kw):
