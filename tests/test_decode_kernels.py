@@ -1061,6 +1061,9 @@ def test_a_bounded_kernel_is_built_apart(monkeypatch, tmp_path):
     headers = [expand_includes(m["header"]) for m in made]  # (each an #include line of its text)
     assert "__launch_bounds__(64, 8)" in headers[1] and "#undef __global__" not in headers[0]
     assert k.build("metal", (64, 8)) is k.build("metal") and len(made) == 3
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE", "inline")  # each source form its own build (an in-process A/B)
+    inline = k.build("cuda")
+    assert inline is not plain and k.build("cuda") is inline and made[-1]["header"] == headers[0]
 
 
 @emulator

@@ -415,7 +415,8 @@ class Kernel:
     def build(self, which: str, bounds: tuple[int, int] | None = None):
         """The MLX kernel for ``which``; on CUDA, ``bounds`` = (threads, min_blocks) builds a
         variant of its own name with those launch bounds (MLX caches a kernel by its name)."""
-        key = (which, bounds if which == "cuda" else None)
+        # (on CUDA the source mode too, so that an in-process A/B of MUSE_MLX_CUDA_SOURCE gets both forms)
+        key = (which, bounds, cuda_source_mode()) if which == "cuda" else (which, None)
         if key not in self._built:
             if which == "metal":
                 self._built[key] = mx.fast.metal_kernel(
