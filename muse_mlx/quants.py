@@ -244,3 +244,38 @@ def join_q6_K(split: mx.array) -> mx.array:
     bodies = flat[: R * nb * Q6_K_BODY].reshape(R * nb, Q6_K_BODY)
     ds = flat[R * nb * Q6_K_BODY :].reshape(R * nb, Q6_K_BLOCK - Q6_K_BODY)
     return mx.concatenate([bodies, ds], axis=1).reshape(R, nb * Q6_K_BLOCK)
+
+
+# -- Q4_K rows in tiles (the q8 route's tiled form, opt-in) -------------------------------------
+#
+# A q8 matvec at few lanes a row (the GLU: 4) has each SIMD group read block j of 16 rows at once,
+# 144 bytes from each of 16 rows 3,744 bytes apart. The tiled form holds the same blocks of a
+# matrix [R, nb*144] rearranged in tiles of `tile` rows: within a tile, block j of its rows lie one
+# after another, so those 16 reads are one run of 2,304 bytes. Block (r, j) is at
+# (r // tile)*tile*nb*144 + j*tile*144 + (r % tile)*144. Tile 1 is the plain layout.
+Q4_K_BLOCK = FORMATS[T.Q4_K].type_size  # 144
+
+
+def _tile_shape(rows, tile: int) -> tuple[int, int]:
+    if tile < 1:
+        raise ValueError(f"a Q4_K tile holds at least one row, not {tile}")
+    if rows.ndim != 2 or rows.shape[1] % Q4_K_BLOCK:
+        raise ValueError(f"Q4_K rows must be [R, whole 144-byte blocks], got {rows.shape}")
+    if rows.shape[0] % tile:
+        raise ValueError(f"{rows.shape[0]} Q4_K rows are not whole tiles of {tile}")
+    return rows.shape[0], rows.shape[1] // Q4_K_BLOCK
+
+
+def tile_q4_K_rows(rows, tile: int):
+    """Raw Q4_K rows ``[R, nb*144]`` -> the tiled form (the same shape and bytes; see above). MLX in,
+    MLX out; numpy in, numpy out."""
+    R, nb = _tile_shape(rows, tile)
+    t = rows.reshape(R // tile, tile, nb, Q4_K_BLOCK).swapaxes(1, 2)
+    return (np.ascontiguousarray(t) if isinstance(rows, np.ndarray) else t).reshape(R, nb * Q4_K_BLOCK)
+
+
+def untile_q4_K_rows(tiled, tile: int):
+    """The tiled form -> raw Q4_K rows (the inverse of :func:`tile_q4_K_rows`)."""
+    R, nb = _tile_shape(tiled, tile)
+    t = tiled.reshape(R // tile, nb, tile, Q4_K_BLOCK).swapaxes(1, 2)
+    return (np.ascontiguousarray(t) if isinstance(tiled, np.ndarray) else t).reshape(R, nb * Q4_K_BLOCK)

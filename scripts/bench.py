@@ -103,6 +103,19 @@ def random_blocks(rows: int, k: int, qtype: T, rng) -> mx.array:
     return out
 
 
+def time_calls(fn, args: list, calls: int) -> float:
+    """Device seconds per call: ``fn(*args)`` makes ``calls`` independent calls, replayed as one
+    compiled graph (as :func:`time_op`); median of 5."""
+    f = mx.compile(fn)
+    mx.eval(args, f(*args))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval(f(*args))
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
 def time_op(fn, reps: int, width: int, inputs: list | None = None) -> float:
     """Device seconds per call of ``fn(y)``: ``reps`` calls on distinct activation rows (so that
     nothing is merged) replayed as one compiled graph -- Python's per-call cost, which would
@@ -293,6 +306,65 @@ def q8_table(g, vocab: int, reps: int, rng) -> list[dict]:
         log(f"  fastest pre geometry for the split Q6_K ffn_down + projections together: {best_few[4:]} "
             f"({few[best_few]:.1f} us), set for this run as MUSE_MLX_Q8_PRE_GEOMETRY_FEW")
         rows.append(dict(label="picked for the calls of few rows", variant=best_few, us=few[best_few], gbps=0.0))
+    return rows
+
+
+TILE_SHAPES = {"glu": (1, 16, 64), "few": (1, 4, 16)}  # tile sizes per call class (1: raw rows)
+
+
+def tiles_table(g, reps: int, rng) -> list[dict]:
+    """The q8 route's all-Q4_K calls on rows in tiles (``quants.tile_q4_K_rows``; not yet a route's
+    form): each call on raw rows and on the same blocks in tiles, plain and a round ahead
+    (``MUSE_MLX_Q8_AHEAD``), with the activations quantized beforehand as the route hands them over;
+    every tiled output checked bit for bit against the raw rows' (a mismatch stops the run). Two
+    sweeps, alternating, so that drift shows."""
+    from muse_mlx.quants import tile_q4_K_rows
+
+    D, FF, QW, KVW = g.n_embd, g.n_ff, g.n_head * g.head_dim, g.n_head_kv * g.head_dim
+    q4 = lambda r, k: random_blocks(r, k, T.Q4_K, rng)  # noqa: E731
+    calls = [  # label, class, K, matrices, GLU
+        (f"ffn_gate+up {FF}x{D} silu, q8 out", "glu", D, [q4(FF, D), q4(FF, D)], True),
+        (f"ffn_down {D}x{FF}", "few", FF, [q4(D, FF)], False),
+        (f"q|k|v|gate {QW}+{KVW}+{KVW}+{QW} (all Q4_K)", "few", D, [q4(r, D) for r in (QW, KVW, KVW, QW)], False),
+        (f"attn_output {D}x{QW}", "few", QW, [q4(D, QW)], False),
+    ]
+    rows = []
+    for label, cls, width, mats, glu in calls:
+        nbytes = sum(w.nbytes for w in mats)
+        tiles = [t for t in TILE_SHAPES[cls] if all(w.shape[0] % t == 0 for w in mats)]
+        forms = {t: mats if t == 1 else [tile_q4_K_rows(w, t) for w in mats] for t in tiles}
+        y = mx.random.normal((1, width))
+        q8 = K.mul_mv.quantize_q8_rows(y)
+
+        def call(t, yy=None, qq=None):
+            kw = dict(glu="silu", q8_out=True) if glu else {}
+            out = K.mul_mv_q8(y if yy is None else yy, [(w, "q4_K") for w in forms[t]],
+                              q8=q8 if qq is None else qq, tile=t, **kw)
+            return out[0] if glu else out
+
+        for ahead in ("0", "all"):
+            with env("MUSE_MLX_Q8_AHEAD", ahead):
+                want = np.array(call(1)).view(np.uint32)
+                for t in tiles[1:]:
+                    got = np.array(call(t)).view(np.uint32)
+                    if not np.array_equal(got, want):
+                        raise SystemExit(f"bench: {label} in tiles of {t} (MUSE_MLX_Q8_AHEAD={ahead}) differs from "
+                                         f"its raw rows in {int((got != want).sum())} of {want.size} outputs")
+        # distinct quantized activations per call (so that nothing is merged), as flat arguments
+        flat = [a for _ in range(reps) for a in K.mul_mv.quantize_q8_rows(mx.random.normal((1, width)))]
+        line = []
+        for sweep in range(2):
+            for ahead in ("0", "all"):
+                for t in tiles:
+                    with env("MUSE_MLX_Q8_AHEAD", ahead):
+                        tt = time_calls(lambda *a, t=t: [call(t, y, (a[i], a[i + 1])) for i in range(0, len(a), 2)],
+                                        flat, reps)
+                    rows.append(dict(label=label, tile=t, ahead=ahead, sweep=sweep, us=tt * 1e6,
+                                     gbps=nbytes / tt / 1e9))
+                    line.append(f"ahead={ahead} tile {t}: {tt * 1e6:.1f} us {nbytes / tt / 1e9:.0f}")
+        log(f"  {label} (every tiled output bit for bit the raw rows'):\n    " + "\n    ".join(line) + "  (GB/s)")
+        mats = forms = None
+        mx.clear_cache()
     return rows
 
 
@@ -561,7 +633,8 @@ def main(argv=None) -> int:
                     "(generate's default: with, for the float32 mode on CUDA)")
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "
-                         "q8 matvecs per geometry; sets the fastest) (default: %(default)s)")
+                         "q8 matvecs per geometry; sets the fastest), tiles (the q8 Q4_K calls on rows in tiles, "
+                         "bit for bit against raw rows) (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
     ap.add_argument("--compiled-only", action="store_true", help="decode with mx.compile only (not also without it)")
     ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: time every decode case once per value of the "
@@ -613,7 +686,7 @@ def main(argv=None) -> int:
         log(f"tuned geometries: {report['tuned']}")
         mx.clear_cache()
     parts = set(args.parts.split(","))
-    unknown = parts - {"dispatch", "kernels", "breakdown", "model", "q8"}
+    unknown = parts - {"dispatch", "kernels", "breakdown", "model", "q8", "tiles"}
     if unknown:
         ap.error(f"unknown part(s) {', '.join(sorted(unknown))} in --parts")
     if K.backend() != "cpu" and "dispatch" in parts:
@@ -623,6 +696,10 @@ def main(argv=None) -> int:
     if "q8" in parts:
         log("the opt-in q8 matvecs (flag mv_q8), per kernel and geometry:")
         report["q8"] = q8_table(g, vocab, args.kernel_reps, rng)
+        mx.clear_cache()
+    if "tiles" in parts:
+        log("the q8 route's Q4_K calls on rows in tiles (quants.tile_q4_K_rows), plain and a round ahead:")
+        report["tiles"] = tiles_table(g, args.kernel_reps, rng)
         mx.clear_cache()
     if "kernels" in parts:
         log("per-kernel timings (one token):")

@@ -536,6 +536,61 @@ def test_q8_calls_ahead_are_the_q8_calls(geometry, monkeypatch):
         K.mul_mv_q8(y, [(mats[0], "q4_K")], q8=q8, which="cpu")
 
 
+@emulator
+@pytest.mark.parametrize("ahead", ["0", "all"])
+@pytest.mark.parametrize("geometry,tile", [("2x4x4x1", 16), ("2x4x4x1", 64), ("2x2x4x1", 8), ("4x4x32x1", 4)])
+def test_q8_rows_in_tiles_are_the_q8_rows(geometry, tile, ahead, monkeypatch):
+    """The q8 Q4_K lanes over rows in tiles (quants.tile_q4_K_rows, TILE): the GLU with its q8
+    output and an all-Q4_K call of two matrices, plain and a round ahead, bit for bit what the same
+    kernels give on the raw rows (the same blocks, read where they lie), two tokens; a tile that
+    is not a SIMD group's rows (16 rows at 2x2x4 take two SIMD groups' 8) too."""
+    from muse_mlx.quants import tile_q4_K_rows
+
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", geometry)
+    k = 768  # 3 blocks: an odd number of rounds at 4 lanes a row
+    y = arr(2, k)
+    gate, up = qrows(128, k, "q4_K"), qrows(128, k, "q4_K")
+    q8 = mul_mv.quantize_q8_rows(y, which="cpu")
+    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "0")
+    plain, plain_q8 = emulate_recorded(K.mul_mv_q8, y, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True,
+                                       q8=q8)
+    plain_two = emulate_recorded(K.mul_mv_q8, y, [(gate, "q4_K"), (up[:64], "q4_K")], q8=q8)
+    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", ahead)
+    tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
+    out, out_q8 = emulate_recorded(K.mul_mv_q8, y, tiled, glu="silu", q8_out=True, q8=q8, tile=tile)
+    assert_bits_equal(out, plain)
+    # (a threadgroup of 16 rows, 4x4x32, holds no whole group of 32: then neither writes its q8)
+    assert (out_q8 is None) == (plain_q8 is None) == (geometry == "4x4x32x1")
+    if plain_q8 is not None:
+        assert np.array_equal(np.array(out_q8[0]), np.array(plain_q8[0]))
+        assert_bits_equal(out_q8[1], plain_q8[1])
+    two = emulate_recorded(K.mul_mv_q8, y, [tiled[0], (tile_q4_K_rows(up[:64], tile), "q4_K")], q8=q8, tile=tile)
+    assert_bits_equal(two, plain_two)
+
+
+def test_q8_rows_in_tiles_on_the_cpu_and_their_errors():
+    """On the CPU the tiled rows are put back for the oracles (the same bits as the raw rows); a
+    tile is refused where the lanes cannot read it, with the reason."""
+    from muse_mlx.quants import split_q6_K, tile_q4_K_rows, untile_q4_K_rows
+
+    y = arr(1, 512)
+    a, b = qrows(32, 512, "q4_K"), qrows(48, 512, "q4_K")
+    q8 = mul_mv.quantize_q8_rows(y, which="cpu")
+    got = K.mul_mv_q8(y, [(tile_q4_K_rows(a, 16), "q4_K"), (tile_q4_K_rows(b, 16), "q4_K")], q8=q8, tile=16,
+                      which="cpu")
+    assert_bits_equal(got, K.mul_mv_q8(y, [(a, "q4_K"), (b, "q4_K")], q8=q8, which="cpu"))
+    assert np.array_equal(np.array(untile_q4_K_rows(tile_q4_K_rows(b, 16), 16)), np.array(b))
+    assert not np.array_equal(np.array(tile_q4_K_rows(b, 16)), np.array(b))  # (the bytes did move)
+    with pytest.raises(ValueError, match="48 Q4_K rows are not whole tiles of 32"):
+        K.mul_mv_q8(y, [(a, "q4_K"), (b, "q4_K")], q8=q8, tile=32, which="cpu")
+    with pytest.raises(ValueError, match="only for a q8 call of Q4_K matrices"):
+        K.mul_mv_q8(y, [(a, "q4_K"), (split_q6_K(qrows(32, 512, "q6_K")), "q6_K_split")], q8=q8, tile=16,
+                    which="cpu")
+    with pytest.raises(ValueError, match="at least one row"):
+        tile_q4_K_rows(a, 0)
+
+
 def test_q8_pre_geometry_per_call_class(monkeypatch):
     """mul_mv_q8_pre's geometry classes: the GLU, the calls of at most FEW_ROWS rows and those of
     more (the vocabulary head) take defaults of their own; MUSE_MLX_Q8_PRE_GEOMETRY overrides all

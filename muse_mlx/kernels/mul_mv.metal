@@ -817,15 +817,23 @@ MUSE_FN uint4 load_ro16(device const uchar* p) {
 #endif
 }
 
-// The weights of the q8 Q4_K lanes' run p of NR rows (rp: each row's first block): per row the
-// block's header and the lane's 32 quant bytes (tq = p % 4, the lane's quarter of the block). A run
-// past the row's end loads the row's last block (not added).
-template <int NR>
+// Where row rr's first block lies in a Q4_K matrix of rows in tiles of TILE (quants.tile_q4_K_rows:
+// block j of a tile's rows one after another, so a row's blocks are 144*TILE bytes apart); TILE = 1
+// is the plain layout, rr * row_bytes.
+template <int TILE>
+MUSE_FN ulong q4K_row_start(uint rr, uint row_bytes) {
+    return (ulong)(rr / TILE) * TILE * row_bytes + (ulong)(rr % TILE) * 144u;
+}
+
+// The weights of the q8 Q4_K lanes' run p of NR rows (rp: each row's first block, in a matrix of
+// rows in tiles of TILE): per row the block's header and the lane's 32 quant bytes (tq = p % 4, the
+// lane's quarter of the block). A run past the row's end loads the row's last block (not added).
+template <int NR, int TILE>
 MUSE_FN void q8_q4K_run_weights(device const uchar* thread const* rp, uint p, uint nb, uint tq,
                                 thread uint4* hdr, thread uint4* qa, thread uint4* qb) {
     const uint b = min(p / 4, nb - 1u);
     for (int r = 0; r < NR; ++r) {
-        device const uchar* blk = rp[r] + (ulong)b * 144u;
+        device const uchar* blk = rp[r] + (ulong)b * (144u * TILE);
         hdr[r] = load_ro16(blk);
         qa[r] = load_ro16(blk + 16 + 32 * tq);
         qb[r] = load_ro16(blk + 32 + 32 * tq);
@@ -1150,7 +1158,8 @@ MUSE_FN float lane_group_sum(float v) {
 // rows, lane l of it the runs p = l, l+LPR, ... of each (four runs of 64 values per block; LPR a
 // multiple of 4, so a lane's run within a block, p%4, is fixed), then a butterfly over the LPR
 // lanes (lane_group_sum). LPR = 32 is mul_mv_q4_K_q8_multi's order and bits. The loads of U runs
-// are issued before their arithmetic (U does not change the bits).
+// are issued before their arithmetic (U does not change the bits). TILE: the Q4_K matrices' rows
+// in tiles of TILE (quants.tile_q4_K_rows; 1, the plain layout): where the bytes lie, not which.
 // inputs: w0..w3, qy [T, K/4], ds [T, K/16]; outputs: dst [T, R0+R1+R2+R3] (GLU: [T, R0])
 // grid (sum_i ceil(Ri/(NR0*NSG*32/LPR))*32, NSG, T), threadgroup (32, NSG, 1)
     const uint tiisg = thread_position_in_threadgroup.x;
@@ -1237,7 +1246,7 @@ MUSE_FN float lane_group_sum(float v) {
     for (int r = 0; r < 2 * NR0; ++r) {
         device const uchar* m = (GLU == 1 && r >= NR0) ? w1 : w;
         const uint rr = min(first_row + uint(r % NR0), rows - 1u);
-        rp[r] = m + (ulong)rr * row_bytes;
+        rp[r] = m + q4K_row_start<TILE>(rr, row_bytes);
         sumf[r] = 0.0f;
     }
     const uint nrows = (GLU == 1 ? 2 : 1) * NR0;
@@ -1252,7 +1261,7 @@ MUSE_FN float lane_group_sum(float v) {
             for (int i = 0; i < 4; ++i) yv[u][i] = yb[i];
             e[u] = ds4[4 * b + tq];  // d, sum of groups 8b+2tq and 8b+2tq+1
             for (uint r = 0; r < nrows; ++r) {
-                device const uchar* blk = rp[r] + (ulong)b * 144u;
+                device const uchar* blk = rp[r] + (ulong)b * (144u * TILE);
                 hdr[u][r] = *(device const uint4*)blk;
                 qar[u][r] = *(device const uint4*)(blk + 16 + 32 * tq);
                 qbr[u][r] = *(device const uint4*)(blk + 32 + 32 * tq);
@@ -1287,11 +1296,11 @@ MUSE_FN float lane_group_sum(float v) {
     device const uchar* rp[NROWS];
     for (int r = 0; r < NROWS; ++r) {
         const uint rr = min(first_row + uint(r % NR0), rows - 1u);
-        rp[r] = (GLU == 1 && r >= NR0 ? w1 : w) + (ulong)rr * row_bytes;
+        rp[r] = (GLU == 1 && r >= NR0 ? w1 : w) + q4K_row_start<TILE>(rr, row_bytes);
         sumf[r] = 0.0f;
     }
     uint4 hdr[2][NROWS], qar[2][NROWS], qbr[2][NROWS];
-    q8_q4K_run_weights<NROWS>(rp, li, nb, tq, hdr[0], qar[0], qbr[0]);
+    q8_q4K_run_weights<NROWS, TILE>(rp, li, nb, tq, hdr[0], qar[0], qbr[0]);
     for (uint i = sgitg * 32 + tiisg; i < K / 16; i += NSG * 32) ys[i] = yq4[i];
     for (uint i = sgitg * 32 + tiisg; i < K / 64; i += NSG * 32) dss[i] = ds4[i];
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -1300,7 +1309,7 @@ MUSE_FN float lane_group_sum(float v) {
         for (int k = 0; k < 2; ++k) {  // k: the register set this round computes from
             const uint pk = p0 + LPR * k;
             if (k == 0 || pk < nb * 4) {  // not `break`: k must stay a constant, or the sets go to local memory
-            q8_q4K_run_weights<NROWS>(rp, pk + LPR, nb, tq, hdr[1 - k], qar[1 - k], qbr[1 - k]);
+            q8_q4K_run_weights<NROWS, TILE>(rp, pk + LPR, nb, tq, hdr[1 - k], qar[1 - k], qbr[1 - k]);
             const uint b = pk / 4;
             MUSE_TG const int4* yb = ys + 16 * b + 4 * tq;  // values 256b + 64tq .. +63
             const int4 y0 = yb[0], y1 = yb[1], y2 = yb[2], y3 = yb[3];

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import fp
-from ..quants import _k_scale_min, join_q6_K
+from ..quants import _k_scale_min, _tile_shape, join_q6_K, untile_q4_K_rows
 from .backend import Kernel, backend, constant
 from .fp import CPU
 
@@ -907,7 +907,7 @@ def quantize_q8_rows(y: mx.array, which=None) -> tuple[mx.array, mx.array]:
 Q8_PRE_TYPE = {"q4_K": 0, "q6_K_split": 2}  # mul_mv_q8_pre's Y codes (1, raw Q6_K, it does not read)
 
 
-def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: bool = False):
+def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: bool = False, tile: int = 1):
     """The opt-in int8-activation matvec: ``weights`` as in :func:`mul_mv_multi` (Q4_K through q8;
     Q6_K through the exact lanes, or, split by :func:`~muse_mlx.quants.split_q6_K` and given as
     "q6_K_split", through q8 as well), concatenated; or, with ``glu`` an activation, two Q4_K
@@ -918,7 +918,10 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     :func:`~muse_mlx.kernels.tail_dual_eps_q8`), for a call that takes the activations quantized
     once, which an all-Q4_K call then takes too (see :func:`_q8_pre`); otherwise ignored. ``q8_out`` (a GLU only): return ``(output, q8)``, the output also
     quantized as :func:`quantize_q8_rows` quantizes it, by the GLU itself where it can
-    (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes)."""
+    (``mul_mv_q8_pre_q8out``; else ``q8`` is None and the next call quantizes). ``tile``: the Q4_K
+    matrices are in the tiled form of that many rows (:func:`~muse_mlx.quants.tile_q4_K_rows`; 1,
+    raw rows), for a call of Q4_K matrices only that takes the activations quantized once: the same
+    bits as the raw rows give."""
     from .ffn import ACTIVATIONS, gelu_oracle, silu_oracle
 
     K = _common_k(weights, "mul_mv_q8")
@@ -929,6 +932,12 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         raise ValueError("q8_out is for the q8 GLU (glu=...) only")
     kinds = [k for _, k in weights]
     pre = _q8_pre(kinds, glu is not None, quantized=q8 is not None)
+    if tile != 1:
+        if not pre or any(k != "q4_K" for k in kinds):
+            raise ValueError(f"Q4_K rows in tiles of {tile}: only for a q8 call of Q4_K matrices that takes its "
+                             f"activations quantized once, not {kinds}" + ("" if pre else " on float activations"))
+        for w, _ in weights:
+            _tile_shape(w, tile)  # whole tiles of whole blocks, or a ValueError that says so
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
     ahead = q8_ahead(glu is not None)  # read (and checked) on every backend, used by the GPU's
     if pre:
@@ -938,6 +947,8 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     # no SIMD group leaves before the part's barrier (the CPU gives the q8 on the same condition)
     own_q8 = q8_out and pre and weights[0][0].shape[0] % per_tg == 0 and per_tg % 32 == 0
     if which == "cpu":
+        if tile != 1:  # the oracles read raw rows: the bytes put back where they were
+            weights = [(untile_q4_K_rows(w, tile), k) for w, k in weights]
         lanes = lpr if pre else 32
         q8_oracles = {"q4_K": mul_mv_q4_K_q8_oracle, "q6_K_split": mul_mv_q6_K_q8_oracle}
         outs = [q8_oracles[k](y, w, lanes) if k in q8_oracles else ORACLES[k](y, w) for w, k in weights]
@@ -959,7 +970,7 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     out_shape = [(*y.shape[:-1], sum(rows))]
     if pre:
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
-        template += [("LPR", lpr), ("U", u)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
+        template += [("LPR", lpr), ("U", u), ("TILE", tile)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
         if own_q8:
             kernel = _Q8_GLU_AHEAD if ahead else _Q8_PRE_OUT
             dst, oqy, ods = kernel(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
