@@ -14,6 +14,9 @@ Forms of a :class:`QLinear` (attribute ``form``):
   * ``"q6_K_split"`` -- Q6_K only: the raw rows' bytes rearranged so every block's 208-byte body
     starts on a 16-byte boundary (:func:`muse_mlx.quants.split_q6_K`), for aligned loads: the
     opt-in q8 kernels' Q6_K lanes, and the exact ones where ``kernels.mul_mv.Q6K_SPLIT`` says;
+  * ``"q4_K_tiled"`` -- Q4_K only: the raw rows' blocks in tiles of ``tile`` rows (block j of a
+    tile's rows one after another: :func:`muse_mlx.quants.tile_q4_K_rows`), for the opt-in q8
+    GLU's reads (``MUSE_MLX_Q8_TILE``);
   * ``"dense"``  -- a float matrix ``[out, in]`` (F32/F16/BF16 tensors).
 """
 
@@ -27,21 +30,27 @@ import mlx.nn as nn
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from .quants import FORMATS, HI_LO_GROUP, dequantize, join_q6_K, split_q6_K, to_affine, to_affine_hi_lo
+from .quants import (FORMATS, HI_LO_GROUP, dequantize, join_q6_K, split_q6_K, tile_q4_K_rows, to_affine,
+                     to_affine_hi_lo, untile_q4_K_rows)
 
 
-RAW_FORMS = ("blocks", "q6_K_split")  # the forms that hold the GGUF blocks' bytes (QLinear.raw_blocks)
+# the forms that hold the GGUF blocks' bytes (QLinear.raw_blocks)
+RAW_FORMS = ("blocks", "q6_K_split", "q4_K_tiled")
 
 
 class QLinear(nn.Module):
     """``y = x @ W.T`` for a GGUF weight ``W [out, in]`` (no bias)."""
 
-    def __init__(self, raw: mx.array, qtype: T, in_features: int, out_features: int, form: str):
+    tile = 1  # rows a tile ("q4_K_tiled"; 1 for every other form)
+
+    def __init__(self, raw: mx.array, qtype: T, in_features: int, out_features: int, form: str, tile: int = 1):
         super().__init__()
         self.qtype = qtype
         self.in_features = in_features
         self.out_features = out_features
         self.form = form
+        if (form == "q4_K_tiled") != (tile != 1):
+            raise ValueError(f"a tile of {tile} rows goes with the form q4_K_tiled, not {form!r}")
         if form == "affine":
             ((self.weight, self.scales, self.biases, self.bits),) = _affine_in_chunks(
                 raw, qtype, lambda rows, qt: (to_affine(rows, qt),))
@@ -60,27 +69,40 @@ class QLinear(nn.Module):
                 raise ValueError(f"the split form is for Q6_K rows, not {qtype.name}")
             split = split_q6_K(raw)  # numpy rows (the loader's) are split on the host, then moved
             self.weight = mx.array(split) if isinstance(split, np.ndarray) else split
+        elif form == "q4_K_tiled":
+            if qtype != T.Q4_K:
+                raise ValueError(f"the tiled form is for Q4_K rows, not {qtype.name}")
+            tiled = tile_q4_K_rows(raw, tile)  # on the host too, as the split form
+            self.weight, self.tile = (mx.array(tiled) if isinstance(tiled, np.ndarray) else tiled), tile
         else:
             raise ValueError(f"unknown linear form {form!r}")
 
-    # the two forms that hold the same bytes, and so can be turned into each other in place
-    _REFORMS = {("blocks", "q6_K_split"): split_q6_K, ("q6_K_split", "blocks"): join_q6_K}
+    # the forms that hold the same bytes, and so can be turned into each other in place (by way of
+    # the raw blocks), per block type
+    _REFORMS = {T.Q6_K: {"q6_K_split": (split_q6_K, join_q6_K)},
+                T.Q4_K: {"q4_K_tiled": (tile_q4_K_rows, untile_q4_K_rows)}}
 
-    def reform(self, form: str) -> None:
-        """Hold the weight in ``form`` from now on: raw blocks and the split form turn into each
-        other (the same bytes; while one matrix is rearranged, about twice its size more is held)."""
-        if form == self.form:
+    def reform(self, form: str, tile: int = 1) -> None:
+        """Hold the weight in ``form`` (with ``tile`` rows a tile, "q4_K_tiled") from now on: raw
+        blocks and the split or tiled form turn into each other (the same bytes; while one matrix
+        is rearranged, about twice its size more is held)."""
+        if form == self.form and tile == self.tile:
             return
-        step = self._REFORMS.get((self.form, form))
-        if step is None or self.qtype != T.Q6_K:
+        forms = self._REFORMS.get(self.qtype, {})
+        if (form != "blocks" and form not in forms) or (self.form != "blocks" and self.form not in forms):
             raise ValueError(f"a {self.qtype.name} weight held as {self.form!r} cannot become {form!r}")
-        self.weight = step(self.weight)
+        if (form == "q4_K_tiled") != (tile != 1):
+            raise ValueError(f"a tile of {tile} rows goes with the form q4_K_tiled, not {form!r}")
+        raw = self.raw_blocks()
+        self.weight = raw if form == "blocks" else forms[form][0](raw, *((tile,) if tile != 1 else ()))
         mx.eval(self.weight)
-        self.form = form
+        self.form, self.tile = form, tile
 
     def raw_blocks(self) -> mx.array:
-        """The raw GGUF rows, for the "blocks" and "q6_K_split" forms (the split one rejoined)."""
-        return join_q6_K(self.weight) if self.form == "q6_K_split" else self.weight
+        """The raw GGUF rows, for the forms that hold them (the split one rejoined, the tiled one untiled)."""
+        if self.form == "q6_K_split":
+            return join_q6_K(self.weight)
+        return untile_q4_K_rows(self.weight, self.tile) if self.form == "q4_K_tiled" else self.weight
 
     def affine_forms(self) -> list[tuple]:
         """The MLX affine forms ``(w, scales, biases, bits)`` whose sum is the matrix: one for
@@ -100,7 +122,8 @@ class QLinear(nn.Module):
         return dequantize(self.raw_blocks(), self.qtype)
 
     def _extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}"
+        tiles = f" of {self.tile} rows" if self.tile != 1 else ""
+        return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}{tiles}"
 
 
 def _affine_in_chunks(raw: mx.array, qtype: T, repack, values_per_chunk: int = 1 << 20):

@@ -218,11 +218,13 @@ class Model(nn.Module):
         return make_cache(self.cfg)
 
     def set_flags(self, flags) -> None:
-        """Switch the route's opt-in flags on the loaded model, each Q6_K weight then held in the
-        form the route asks for (the split form comes and goes with ``mv_q8_q6k``; turned in place,
-        one matrix at a time). A tied head keeps the embedding's blocks: splitting it would hold a
-        second copy of the table. A DecodeStep made before keeps the weights and kernels it traced:
-        make a new one after switching."""
+        """Switch the route's opt-in flags on the loaded model, each Q6_K weight (and each GLU's
+        Q4_K weight) then held in the form the route asks for (the split form comes and goes with
+        ``mv_q8_q6k``, the tiled one with ``mv_q8`` where ``MUSE_MLX_Q8_TILE`` asks for it; turned in
+        place, one matrix at a time). A tied head keeps the embedding's blocks: splitting it would
+        hold a second copy of the table. A DecodeStep made before keeps the weights and kernels it
+        traced: make a new one after switching."""
+        from .kernels.mul_mv import q8_tile
         from .layers import RAW_FORMS, QLinear
         from .routes import check_flags
         from gguf import GGMLQuantizationType as T
@@ -232,10 +234,14 @@ class Model(nn.Module):
         # mx.compile of a bound method -> DecodeStep) holds the arrays it traced until the cycle is
         # collected: without this, the old forms outlived the switch (4.1-4.5 GB more on the H200).
         gc.collect()
-        for _, lin in self.named_modules():
-            if (isinstance(lin, QLinear) and lin.qtype == T.Q6_K and lin.form in RAW_FORMS
+        for name, lin in self.named_modules():
+            if (isinstance(lin, QLinear) and lin.qtype in (T.Q4_K, T.Q6_K) and lin.form in RAW_FORMS
                     and not (lin is self.output and self.cfg.tied_output)):
-                lin.reform(self.route.form_for(lin.qtype))
+                form = self.route.form_for(lin.qtype, name.rsplit(".", 1)[-1])  # (blk.3.ffn_gate: "ffn_gate")
+                tile = q8_tile() if form == "q4_K_tiled" else 1
+                if lin.out_features % tile:  # (rows that are not whole tiles stay raw, as at load)
+                    form, tile = "blocks", 1
+                lin.reform(form, tile)
 
     def prepare_decode(self, cache: list, total: int) -> None:
         """Everything the decode path reads besides the token: planes with room for ``total``

@@ -30,6 +30,7 @@ from .quants import FORMATS
 
 ROUTES = ("stock", "pinned")
 _KIND = {T.Q4_K: "q4_K", T.Q6_K: "q6_K"}  # the raw-block types the pinned matvecs read
+GLU_ROLES = ("ffn_gate", "ffn_up")  # the weights a GLU reads (Route.form_for's role: the tensor name's)
 
 
 def _kind_of(w) -> str:
@@ -91,7 +92,9 @@ class Route:
     def count(self, op: str, n: int = 1) -> None:
         self.dispatches[op] += n
 
-    def form_for(self, qtype: T) -> str:
+    def form_for(self, qtype: T, role: str | None = None) -> str:
+        """The form (``layers.QLinear``) a weight of ``qtype`` is held in; ``role``: what it is in
+        its block, e.g. ``"ffn_gate"`` (the GGUF name's part before ``.weight``), where known."""
         raise NotImplementedError
 
     def norm(self, x: mx.array, norm: Norm) -> mx.array:
@@ -152,7 +155,7 @@ class StockRoute(Route):
 
     name = "stock"
 
-    def form_for(self, qtype: T) -> str:
+    def form_for(self, qtype: T, role: str | None = None) -> str:
         if qtype in (T.F32, T.F16, T.BF16):
             return "dense"
         if qtype == T.Q6_K:
@@ -220,7 +223,9 @@ class PinnedRoute(Route):
         # The seeds pin next_pow2 threads for muse-glimmer; today's llama.cpp rounds up to 32.
         self.geometry = "seeds" if cfg.arch == "muse-glimmer" else "llama"
 
-    def form_for(self, qtype: T) -> str:
+    def form_for(self, qtype: T, role: str | None = None) -> str:
+        if qtype == T.Q4_K and role in GLU_ROLES and "mv_q8" in self.flags and kernels.mul_mv.q8_tile() > 1:
+            return "q4_K_tiled"  # read by the q8 GLU's lanes, and untiled by the batched prefill's dequantization
         if qtype == T.Q6_K and "mv_q8_q6k" in self.flags:
             return "q6_K_split"  # read by mul_mv_q8_pre's Q6_K lanes only
         if qtype == T.Q6_K and "mv_q8" not in self.flags and kernels.mul_mv.q6K_split(kernels.backend()):
@@ -280,7 +285,7 @@ class PinnedRoute(Route):
             if self._batched(x):
                 self.count("dequant_matmul")
                 # a split matrix is read as it is held: no rejoined copy per prompt chunk
-                wd = kernels.dequantize_rows(w.weight, _kind_of(w), self.batched)
+                wd = kernels.dequantize_rows(w.weight, _kind_of(w), self.batched, tile=w.tile)
                 xd = x.astype(wd.dtype)
                 self._commit(xd, wd)
                 y = xd @ wd.T
@@ -292,8 +297,11 @@ class PinnedRoute(Route):
             if "mv_q8" in self.flags and w.qtype == T.Q4_K:
                 # x quantized by the GLU before it, if it was (mv_q8_q6k, unless MUSE_MLX_Q8_GLU_OUT=0)
                 self.count("mul_mv_q4_K_q8")
-                return kernels.mul_mv_q8(x, [(w.weight, "q4_K")], q8=self._form_of(x, "q8"))
+                return kernels.mul_mv_q8(x, [(w.weight, "q4_K")], q8=self._form_of(x, "q8"), tile=w.tile)
             self.count(f"mul_mv_{_KIND[w.qtype]}_f32")
+            if w.tile != 1:  # (Model.set_flags gives the raw rows back when mv_q8 goes)
+                raise ValueError(f"a Q4_K weight in tiles of {w.tile} rows is read by the q8 GLU (mv_q8) and "
+                                 "the batched prefill only")
             if w.qtype == T.Q4_K:
                 return kernels.mul_mv_q4_K(x, w.weight)
             return kernels.mul_mv_q6_K(x, w.weight, split=w.form == "q6_K_split")
@@ -311,7 +319,8 @@ class PinnedRoute(Route):
     def project(self, x, ws):
         # One dispatch for all of them when every matrix is raw Q4_K/Q6_K blocks (llama.cpp runs
         # them one by one; each row gets the same bits either way).
-        if len(ws) <= 4 and not self._batched(x) and all(w.form in RAW_FORMS and w.qtype in _KIND for w in ws):
+        if len(ws) <= 4 and not self._batched(x) and all(w.form in RAW_FORMS and w.qtype in _KIND and w.tile == 1
+                                                         for w in ws):
             mats = [(w.weight, _kind_of(w)) for w in ws]
             if "mv_q8" in self.flags:
                 self.count("mul_mv_q4_K_q8 (multi)")
@@ -386,21 +395,22 @@ class PinnedRoute(Route):
         prep = self._form_of(x, "q4_K")
         # The dtype guard of seeds Ch 18 §18.6: the fused kernel exists for Q4_K only.
         fusable = all(w.form == "blocks" and w.qtype == T.Q4_K for w in (gate, up))
+        tiled = gate.form == up.form == "q4_K_tiled" and gate.tile == up.tile  # (the q8 GLU's form only)
         if "ffn_4r2s" in self.flags and fusable:
             self.count("ffn_q4k_gate_up_silu_4r2s")
             return kernels.ffn_q4k_gate_up_4r2s(x, gate.weight, up.weight, activation)
         split = gate.form == up.form == "q6_K_split" and "mv_q8_q6k" not in self.flags
         same = (gate.form == up.form == "blocks" or split) and gate.qtype == up.qtype and gate.qtype in _KIND
-        if "mv_q8" in self.flags and fusable and not self._batched(x):
+        if "mv_q8" in self.flags and (fusable or tiled) and not self._batched(x):
             self.count("mul_mv_q4_K_q8 (glu)")
             mats = [(gate.weight, "q4_K"), (up.weight, "q4_K")]
             if "mv_q8_q6k" in self.flags and kernels.mul_mv.q8_from_glu():
                 # its output quantized too, for the ffn_down (linear takes it)
-                out, q8_out = kernels.mul_mv_q8(x, mats, glu=activation, q8=q8, q8_out=True)
+                out, q8_out = kernels.mul_mv_q8(x, mats, glu=activation, q8=q8, q8_out=True, tile=gate.tile)
                 if q8_out is not None:
                     self._forms["q8"] = (out, q8_out)
                 return out
-            return kernels.mul_mv_q8(x, mats, glu=activation, q8=q8)
+            return kernels.mul_mv_q8(x, mats, glu=activation, q8=q8, tile=gate.tile)
         if same and not self._batched(x):
             # gate, up and the activation in one dispatch, with the three unfused kernels' bits
             self.count(f"mul_mv_glu_{_KIND[gate.qtype]}_f32")

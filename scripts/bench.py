@@ -313,8 +313,9 @@ TILE_SHAPES = {"glu": (1, 16, 64), "few": (1, 4, 16)}  # tile sizes per call cla
 
 
 def tiles_table(g, reps: int, rng) -> list[dict]:
-    """The q8 route's all-Q4_K calls on rows in tiles (``quants.tile_q4_K_rows``; not yet a route's
-    form): each call on raw rows and on the same blocks in tiles, plain and a round ahead
+    """The q8 route's all-Q4_K calls on rows in tiles (``quants.tile_q4_K_rows``; the route holds
+    its GLUs' weights so with ``MUSE_MLX_Q8_TILE``): each call on raw rows and on the same blocks in
+    tiles, plain and a round ahead
     (``MUSE_MLX_Q8_AHEAD``), with the activations quantized beforehand as the route hands them over;
     every tiled output checked bit for bit against the raw rows' (a mismatch stops the run). Two
     sweeps, alternating, so that drift shows."""

@@ -479,6 +479,8 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
             kw = {"dtype": dt} if dt != mx.float32 else {}
             rec(f"dequant q4_K {str(dt).split('.')[-1]} (64 rows)", K.dequantize_rows, q4(64, D), "q4_K", **kw)
             rec(f"dequant q6_K {str(dt).split('.')[-1]} (64 rows)", K.dequantize_rows, q6(64, D), "q6_K", **kw)
+            rec(f"dequant q4_K {str(dt).split('.')[-1]} (64 rows in tiles of 16: the q8 GLU's tiled form)",
+                K.dequantize_rows, q4(64, D), "q4_K", tile=16, **kw)
         rec("embedding row (token_embd q4_K)", K.embed_rows, q4(VOCAB, D), mx.array([7], dtype=mx.int32), "q4_K")
         rec("qk_rope_pack", K.qk_rope_pack, mx.zeros((QW + 2 * KVW,)), mx.zeros((HEADS + HEADS_KV, HEAD_DIM)), 1e-6,
             mx.array([5], dtype=mx.int32), attention.rope_table(HEAD_DIM, 10000.0, 1.0), rows=HEADS + HEADS_KV,

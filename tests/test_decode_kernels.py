@@ -230,6 +230,19 @@ def test_dequantize_kernels():
                               want.astype(np.float16))
             with pytest.raises(ValueError, match="raw Q4_K/Q6_K rows, not 'q6_K_split'"):
                 K.embed_rows(split_q6_K(w), mx.array([0]), "q6_K_split")
+    # Q4_K rows in tiles (the q8 GLU's opt-in form): the raw rows' values, in the raw rows' order;
+    # 24 rows of 3 blocks in tiles of 8 and 4, and of 1 block (where the tiles are the raw rows)
+    from muse_mlx.quants import tile_q4_K_rows
+
+    for shape, tile in (((24, 768), 8), ((24, 768), 4), ((16, 256), 8)):
+        w = qrows(*shape, "q4_K")
+        want = gguf_dequantize(np.array(w), T.Q4_K).reshape(shape)
+        tiled = tile_q4_K_rows(w, tile)
+        assert_bits_equal(emulate_recorded(K.dequantize_rows, tiled, "q4_K", tile=tile), want)
+        assert_bits_equal(emulate_recorded(K.dequantize_rows, tiled, "q4_K", mx.float16, tile=tile),
+                          want.astype(np.float16))
+    with pytest.raises(ValueError, match="rows in tiles are Q4_K rows, not 'q6_K'"):
+        K.dequantize_rows(qrows(8, 256, "q6_K"), "q6_K", tile=4)
 
 
 @emulator

@@ -616,3 +616,52 @@ def test_graph_per_matmul_is_the_default_for_the_float32_prefill_on_cuda(monkeyp
         with batched_prefill(route, mode):
             assert route.matmul_commits is want, (route.name, mode)
         assert route.matmul_commits is False
+
+
+def test_q8_glu_weights_in_tiles_give_the_same_logits(tiny, monkeypatch):
+    """MUSE_MLX_Q8_TILE=16 holds each GLU's gate and up in tiles of 16 rows for the q8 route
+    (quants.tile_q4_K_rows; rows of two blocks here, so the bytes do move), and the logits of a
+    prefill (the batched dequantization reads the tiles) and of decoded tokens (the q8 GLU reads
+    them) are the raw rows', bit for bit. Model.set_flags gives the raw rows back without mv_q8 and
+    tiles them again with it; a tile that the rows are not whole multiples of leaves them raw; a bad
+    value is an error that names the variable."""
+    from muse_mlx.layers import QLinear
+    from muse_mlx.writer import Geometry
+
+    path = tiny("muse-glimmer", geometry=Geometry(n_embd=512, n_ff=512, head_dim=64, n_head=4, n_head_kv=2))
+    flags = ["mv_q8", "mv_q8_q6k"]
+
+    from muse_mlx.generate import batched_prefill
+
+    def run(model):
+        model.kv_dtype = mx.float16
+        cache = model.make_cache()
+        with batched_prefill(model.route):  # a prompt's matmuls on the dequantized rows
+            outs = [np.array(model(mx.array([TOKENS[:6]]), cache)[0])]
+        outs += [np.array(model(mx.array([[t]]), cache)[0]) for t in (7, 300)]
+        return [o.view(np.uint32) for o in outs]
+
+    raw = run(load_model(path, "pinned", flags))
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "16")
+    model = load_model(path, "pinned", flags)
+    forms = {n: (m.form, m.tile) for n, m in model.named_modules() if isinstance(m, QLinear)}
+    glu = {n for n in forms if n.rsplit(".", 1)[-1] in ("ffn_gate", "ffn_up")}
+    assert glu and all(forms[n] == ("q4_K_tiled", 16) for n in glu)
+    assert all(forms[n][0] != "q4_K_tiled" for n in forms if n not in glu)
+    model.route.dispatches.clear()
+    for got, want in zip(run(model), raw):
+        np.testing.assert_array_equal(got, want)
+    d = model.route.dispatches
+    assert d["mul_mv_q4_K_q8 (glu)"] == 2 * model.cfg.n_layer  # the two decoded tokens
+    assert d["dequant_matmul"] >= 2 * model.cfg.n_layer  # the prompt's, gate and up among them
+    model.set_flags(())
+    assert all(m.form == "blocks" for n, m in model.named_modules() if n in glu)
+    model.set_flags(flags)
+    assert all((m.form, m.tile) == ("q4_K_tiled", 16) for n, m in model.named_modules() if n in glu)
+    for got, want in zip(run(model), raw):
+        np.testing.assert_array_equal(got, want)
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "24")  # 512 rows are not whole tiles of 24
+    assert all(m.form == "blocks" for n, m in load_model(path, "pinned", flags).named_modules() if n in glu)
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "sixteen")
+    with pytest.raises(ValueError, match="MUSE_MLX_Q8_TILE='sixteen'"):
+        load_model(path, "pinned", flags)

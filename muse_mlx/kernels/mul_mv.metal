@@ -264,6 +264,16 @@ MUSE_FN float4 dequant4(device const uchar* w, uint s, uint nb) {
     return TYPE == 0 ? q4K_dequant4(w, s) : q6K_dequant4<TYPE == 2>(w, s, nb);
 }
 
+// Where quad s of a Q4_K matrix's raw rows (NB blocks a row) lies in its tiles of TILE rows
+// (quants.tile_q4_K_rows): block o = s / 64 is row o / NB's block o % NB. TILE = 1: s itself.
+template <int TILE, int NB>
+MUSE_FN uint q4K_tiled_quad(uint s) {
+    if (TILE == 1) return s;
+    constexpr uint nb = NB > 0 ? NB : 1;  // (NB = 0 goes with TILE = 1: no division by it is left)
+    const uint o = s / 64, row = o / nb, j = o % nb;
+    return (((row / TILE) * nb + j) * TILE + row % TILE) * 64 + s % 64;
+}
+
 // The weight loads of one round of U blocks (jb, jb+4, ...) of each of NR rows: per block-row
 // the 16-byte header and the lane's two 8-byte quant runs. Past the row's end a block is read
 // again, not used.
@@ -999,22 +1009,25 @@ MUSE_FN float lane_group_sum(float v) {
 // consecutive values; thread s takes four quads, 32 apart, so a SIMD group's stores are four
 // contiguous 512-byte runs, and loads all four before converting any.
 // inputs: w [n_blocks * block bytes] (uint8), count (element 0) (quads = values / 4);
-// outputs: out [n_blocks * 256]; template TYPE
+// outputs: out [n_blocks * 256]; templates TYPE, TILE and NB (a Q4_K matrix in tiles of TILE rows
+// of NB blocks, read where its quads lie: q4K_tiled_quad; TILE = 1, NB = 0: raw rows)
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
     float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1), count[0] / 64);
+    for (int k = 0; k < 4; ++k)
+        v[k] = dequant4<TYPE>(w, q4K_tiled_quad<TILE, NB>(min(q0 + 32 * k, count[0] - 1)), count[0] / 64);
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0]) ((device float4*)out)[q0 + 32 * k] = v[k];
 
 // ==== kernel: dequant_f16
 // The same values rounded to half (round to nearest even), for an f16 prefill matmul.
 // inputs: w [n_blocks * block bytes] (uint8), count (element 0) (quads); outputs: out [n_blocks * 256]
-// (half); template TYPE
+// (half); templates TYPE, TILE, NB (as dequant_f32)
     const uint s = thread_position_in_grid.x;
     const uint q0 = (s / 32) * 128 + s % 32;
     float4 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = dequant4<TYPE>(w, min(q0 + 32 * k, count[0] - 1), count[0] / 64);
+    for (int k = 0; k < 4; ++k)
+        v[k] = dequant4<TYPE>(w, q4K_tiled_quad<TILE, NB>(min(q0 + 32 * k, count[0] - 1)), count[0] / 64);
     for (int k = 0; k < 4; ++k)
         if (q0 + 32 * k < count[0])
             for (int e = 0; e < 4; ++e) out[4 * (q0 + 32 * k) + e] = half(v[k][e]);

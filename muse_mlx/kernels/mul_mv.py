@@ -874,6 +874,18 @@ def q8_ahead(glu: bool) -> bool:
     return mode == "all" or (mode == "glu" and glu)
 
 
+def q8_tile() -> int:
+    """Rows a tile of the q8 GLU's gate and up matrices (``quants.tile_q4_K_rows``: each SIMD
+    group's rows of a block one run of bytes; the same bits): ``MUSE_MLX_Q8_TILE=<rows>``, 1 (the
+    default: raw rows) or more. Prepared in the twenty-ninth session, not yet timed on a GPU;
+    ``bench.py --parts tiles`` times the kernels, the route's decode an A/B of processes (the form
+    is made at load)."""
+    text = os.environ.get("MUSE_MLX_Q8_TILE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"MUSE_MLX_Q8_TILE={text!r}: expected a number of rows, 1 (raw rows) or more")
+    return int(text)
+
+
 def q8_from_attention() -> bool:
     """Whether the one-dispatch attention with its norms also writes its output quantized
     (``attn_decode_fused_q8``) for the q8 attn_output after it (flag ``mv_q8``), which then reads
@@ -986,10 +998,12 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     return (dst, None) if q8_out else dst
 
 
-def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.array:
+def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None, tile: int = 1) -> mx.array:
     """Raw Q4_K/Q6_K rows ``[..., row_bytes]``, or a whole Q6_K matrix in the split form (kind
     "q6_K_split", :func:`~muse_mlx.quants.split_q6_K`), -> ``[..., K]`` in one dispatch: float32
-    bit-equal to gguf-py, or (``dtype=mx.float16``) those values rounded to nearest half."""
+    bit-equal to gguf-py, or (``dtype=mx.float16``) those values rounded to nearest half. ``tile``:
+    a whole Q4_K matrix in tiles of that many rows (:func:`~muse_mlx.quants.tile_q4_K_rows`), whose
+    rows come out in their own order."""
     from ..quants import dequantize
     from gguf import GGMLQuantizationType as T
 
@@ -997,16 +1011,21 @@ def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None) -> mx.
         raise ValueError(f"dequantize_rows gives float32 or float16, not {dtype}")
     if kind == "q6_K_split" and w.ndim != 2:
         raise ValueError(f"a split Q6_K matrix is [R, whole 210-byte blocks], got {w.shape}")
+    if tile != 1:
+        if kind != "q4_K":
+            raise ValueError(f"rows in tiles are Q4_K rows, not {kind!r}")
+        _tile_shape(w, tile)
     which = which or backend()
     if which == "cpu":
-        raw = join_q6_K(w) if kind == "q6_K_split" else w
+        raw = join_q6_K(w) if kind == "q6_K_split" else untile_q4_K_rows(w, tile) if tile != 1 else w
         return dequantize(raw, T.Q4_K if kind == "q4_K" else T.Q6_K).astype(dtype)
     K = w.shape[-1] // BLOCK_BYTES[kind] * 256
     quads = w.size // BLOCK_BYTES[kind] * 64  # four values each
     threads = -(-quads // 128) * 32  # four quads each (whole SIMD groups: 128 quads per 32 threads)
     (out,) = _DEQ[dtype](
         [w, constant(quads, mx.uint32)], [(*w.shape[:-1], K)], [dtype], grid=(threads, 1, 1),
-        threadgroup=(min(256, threads), 1, 1), template=[("TYPE", TYPE_CODE[kind])], which=which,
+        threadgroup=(min(256, threads), 1, 1), which=which,
+        template=[("TYPE", TYPE_CODE[kind]), ("TILE", tile), ("NB", K // 256 if tile != 1 else 0)],
     )
     return out
 
