@@ -102,10 +102,11 @@ def gpu(fn, *args, **kw):
 
 def gpu_as(kernel: Kernel, key, fn, *args, **kw):
     """:func:`gpu`, with ``kernel``'s builds cleared first so that the one built is the one that ran;
-    on CUDA it must be the variant ``key`` (Kernel.build's key), else the comparison proves nothing."""
+    on CUDA it must be the variant ``key`` (``(backend, bounds)``, the start of Kernel.build's key,
+    which on CUDA also holds the source mode), else the comparison proves nothing."""
     kernel._built.clear()
     out = gpu(fn, *args, **kw)
-    if WHICH == "cuda" and list(kernel._built) != [key]:
+    if WHICH == "cuda" and [k[:2] for k in kernel._built] != [key]:
         raise RuntimeError(f"{kernel.name} ran as {list(kernel._built)}, not {key}")
     return out
 
@@ -938,6 +939,70 @@ def check_q8_ahead(rng, quick):
             on, off)
 
 
+def check_q8_tiles(rng, quick):
+    """The q8 GLU's weights in tiles of rows (MUSE_MLX_Q8_TILE, opt-in; quants.tile_q4_K_rows): the
+    q8 GLU with its q8 output (plain and a round ahead) and the all-Q4_K q8 calls on tiled rows bit
+    for bit what they give on the raw rows; the batched prefill's dequantization of tiled rows (f32,
+    f16) the raw rows'; then a tiny model (rows of two blocks) with mv_q8 + mv_q8_q6k loaded with
+    tiles of 16 and without: a batched prefill's and a compiled decode's logits."""
+    import tempfile
+
+    from muse_mlx import load_model
+    from muse_mlx.decode import DecodeStep
+    from muse_mlx.generate import batched_prefill
+    from muse_mlx.quants import tile_q4_K_rows
+    from muse_mlx.writer import Geometry, write_tiny
+
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h, o = randn(rng, 1, D), randn(rng, 1, ff), randn(rng, 1, qw)
+    q4 = lambda r, k: random_blocks(r, k, T.Q4_K, rng)  # noqa: E731
+    gate, up = q4(ff, D), q4(ff, D)
+    for ahead in ("0", "all"):
+        with env("MUSE_MLX_Q8_AHEAD", ahead):
+            plain, (plain_qy, plain_ds) = gpu(K.mul_mv_q8, x, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True)
+            for tile in (16, 64):
+                tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
+                out, (qy, ds) = gpu(K.mul_mv_q8, x, tiled, glu="silu", q8_out=True, tile=tile)
+                case = f"{ff}x{D} silu, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}"
+                compare("q8 GLU on tiled rows: output (opt-in MUSE_MLX_Q8_TILE)", case, out, plain)
+                compare("q8 GLU on tiled rows: d, sum q (opt-in MUSE_MLX_Q8_TILE)", case, ds, plain_ds)
+                compare("q8 GLU on tiled rows: int8 words (opt-in MUSE_MLX_Q8_TILE)", case, mx.view(qy, mx.float32),
+                        mx.view(plain_qy, mx.float32))
+    calls = (("q|k|v|gate", x, [q4(qw, D), q4(kvw, D), q4(kvw, D), q4(qw, D)]), ("attn_output", o, [q4(D, qw)]),
+             ("ffn_down", h, [q4(D, ff)]))
+    for name, y, mats in calls:
+        q8 = gpu(mul_mv.quantize_q8_rows, y)
+        for ahead in ("0", "all"):
+            with env("MUSE_MLX_Q8_AHEAD", ahead):
+                plain = gpu(K.mul_mv_q8, y, [(w, "q4_K") for w in mats], q8=q8)
+                for tile in (4, 16):
+                    out = gpu(K.mul_mv_q8, y, [(tile_q4_K_rows(w, tile), "q4_K") for w in mats], q8=q8, tile=tile)
+                    compare("q8 call on tiled rows (opt-in MUSE_MLX_Q8_TILE)",
+                            f"{name}, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}", out, plain)
+    for dtype in (mx.float32, mx.float16):
+        want = gpu(K.dequantize_rows, gate, "q4_K", dtype)
+        got = gpu(K.dequantize_rows, tile_q4_K_rows(gate, 16), "q4_K", dtype, tile=16)
+        compare(f"dequant_{'f32' if dtype == mx.float32 else 'f16'} of tiled rows (opt-in MUSE_MLX_Q8_TILE)",
+                f"{ff}x{D}, tiles of 16", got.astype(mx.float32), want.astype(mx.float32))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer",
+                          geometry=Geometry(n_embd=512, n_ff=512, head_dim=64, n_head=4, n_head_kv=2))
+        tokens = [int(t) for t in rng.integers(0, 300, 24)]
+        outs = []
+        for tile in ("16", "1"):
+            with env("MUSE_MLX_Q8_TILE", tile):
+                model = load_model(path, "pinned", ["mv_q8", "mv_q8_q6k"])
+            cache = model.make_cache()
+            with batched_prefill(model.route):
+                first = model(mx.array([tokens[:8]]), cache)[0, -1]
+            step = DecodeStep(model, cache, 64, compiled=WHICH != "cpu")  # (the oracles do not compile)
+            outs.append(mx.concatenate([first[None], mx.stack([step(mx.array([t])) for t in tokens[8:]])]))
+            mx.eval(outs[-1])
+    compare("batched prefill + decode step, GLU weights in tiles of 16 == raw rows (opt-in MUSE_MLX_Q8_TILE)",
+            "tiny muse-glimmer 512 wide, 8 + 16 tokens", outs[0], outs[1])
+
+
 def check_kv_through(rng, quick):
     """The attention with its norms handing its planes out whole (MUSE_MLX_KV_WRITE=through, THRU):
     its output the plain kernel's, its planes the input's with the token's K/V at its slot (the
@@ -979,7 +1044,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
-                q8_ahead=check_q8_ahead,
+                q8_ahead=check_q8_ahead, q8_tiles=check_q8_tiles,
                 transcendentals=transcendental_ulps)
 
 
