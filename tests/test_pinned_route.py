@@ -662,6 +662,10 @@ def test_q8_glu_weights_in_tiles_give_the_same_logits(tiny, monkeypatch):
         np.testing.assert_array_equal(got, want)
     monkeypatch.setenv("MUSE_MLX_Q8_TILE", "24")  # 512 rows are not whole tiles of 24
     assert all(m.form == "blocks" for n, m in load_model(path, "pinned", flags).named_modules() if n in glu)
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "16")
+    monkeypatch.setenv("MUSE_MLX_Q8_PRE", "0")  # the GLU's per-threadgroup kernel reads raw rows only
+    assert all(m.form == "blocks" for n, m in load_model(path, "pinned", flags).named_modules() if n in glu)
+    monkeypatch.delenv("MUSE_MLX_Q8_PRE")
     monkeypatch.setenv("MUSE_MLX_Q8_TILE", "sixteen")
     with pytest.raises(ValueError, match="MUSE_MLX_Q8_TILE='sixteen'"):
         load_model(path, "pinned", flags)

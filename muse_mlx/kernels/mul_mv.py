@@ -846,6 +846,12 @@ def _q8_pre(kinds, glu: bool, quantized: bool = False) -> bool:
     return mode == "all" or glu or quantized
 
 
+def q8_pre_glu() -> bool:
+    """Whether the q8 GLU takes quantize_q8 + mul_mv_q8_pre's lanes (``MUSE_MLX_Q8_PRE``), the only
+    ones that read Q4_K rows in tiles."""
+    return _q8_pre(("q4_K", "q4_K"), glu=True)
+
+
 def q8_from_tail() -> bool:
     """Whether the tail before a q8 GLU also writes its output quantized (``tail_dual_eps_q8``),
     sparing the GLU's ``quantize_q8`` dispatch: ``MUSE_MLX_Q8_TAIL=1`` (default) or ``0``, and
