@@ -126,6 +126,17 @@ class QLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}{tiles}"
 
 
+def tiles_in_pairs(gate: QLinear, up: QLinear) -> None:
+    """A GLU's two weights both in tiles of the same rows, or neither: the q8 GLU reads a tiled
+    pair, and a lone tiled weight (its partner of another type) would reach readers of raw rows,
+    so it is given its raw rows back."""
+    if gate.form == up.form == "q4_K_tiled" and gate.tile == up.tile:
+        return
+    for w in (gate, up):
+        if w.form == "q4_K_tiled":
+            w.reform("blocks")
+
+
 def _affine_in_chunks(raw: mx.array, qtype: T, repack, values_per_chunk: int = 1 << 20):
     """``repack`` (raw rows -> a tuple of MLX affine forms ``(w, scales, biases, bits)``), a few
     rows at a time: unpacking makes ~8 bytes of temporaries per weight, so a whole 19968x6656

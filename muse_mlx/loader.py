@@ -21,7 +21,7 @@ from .errors import ModelConfigError
 from .gguf_file import GGUFFile
 from .kernels.backend import in_device_memory
 from .kernels.mul_mv import q8_tile
-from .layers import Norm, QEmbedding, QLinear
+from .layers import Norm, QEmbedding, QLinear, tiles_in_pairs
 from .model import Model
 from .quants import FORMATS, QUANTIZED
 from .routes import Route, make_route
@@ -168,6 +168,7 @@ def load_model(path, route: str | Route = "stock", flags=(), progress: bool | No
         blk.ffn_norm = w.norm(p + "ffn_norm.weight", D, cfg.rms_eps)
         blk.ffn_gate = w.linear(p + "ffn_gate.weight", cfg.n_ff, D)
         blk.ffn_up = w.linear(p + "ffn_up.weight", cfg.n_ff, D)
+        tiles_in_pairs(blk.ffn_gate, blk.ffn_up)
         blk.ffn_down = w.linear(p + "ffn_down.weight", D, cfg.n_ff)
     if cfg.rope_freq_factors:
         factors = w.vector("rope_freqs.weight", cfg.rope_dims // 2)

@@ -224,8 +224,8 @@ class PinnedRoute(Route):
         self.geometry = "seeds" if cfg.arch == "muse-glimmer" else "llama"
 
     def form_for(self, qtype: T, role: str | None = None) -> str:
-        if (qtype == T.Q4_K and role in GLU_ROLES and "mv_q8" in self.flags and kernels.mul_mv.q8_tile() > 1
-                and kernels.mul_mv.q8_pre_glu()):
+        if (qtype == T.Q4_K and role in GLU_ROLES and "mv_q8" in self.flags and "ffn_4r2s" not in self.flags
+                and kernels.mul_mv.q8_tile() > 1 and kernels.mul_mv.q8_pre_glu()):
             return "q4_K_tiled"  # read by the q8 GLU's lanes, and untiled by the batched prefill's dequantization
         if qtype == T.Q6_K and "mv_q8_q6k" in self.flags:
             return "q6_K_split"  # read by mul_mv_q8_pre's Q6_K lanes only

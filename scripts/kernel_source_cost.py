@@ -52,7 +52,14 @@ def main() -> int:
         print("kernel_source_cost: needs MLX's CUDA backend (mx.fast.cuda_kernel)", file=sys.stderr)
         return 2
     print(f"mlx {mx.__version__}, {mx.default_device()}")
-    folder = Path(tempfile.mkdtemp(prefix="source_cost_"))
+    with tempfile.TemporaryDirectory(prefix="source_cost_") as tmp:
+        run_sizes(Path(tmp))
+    return 0
+
+
+def run_sizes(folder: Path) -> None:
+    """Each size inline and behind an #include of a file in ``folder`` (which must outlive the runs:
+    NVRTC reads the file when MLX first compiles the kernel)."""
     for kb in (0, 4, 8, 16, 32):
         pad = ("// " + "x" * 76 + "\n") * (kb * 1024 // 80)
         (folder / f"pad_{kb}.cuh").write_text(pad)
@@ -64,7 +71,6 @@ def main() -> int:
                 label = "compiled" if compiled else "uncompiled"
                 print(f"source +{kb:2d} KB {where:6s} {label:10s}: {med:6.2f} us per kernel "
                       f"(median of {REPS}; min {low:.2f})", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -669,3 +669,46 @@ def test_q8_glu_weights_in_tiles_give_the_same_logits(tiny, monkeypatch):
     monkeypatch.setenv("MUSE_MLX_Q8_TILE", "sixteen")
     with pytest.raises(ValueError, match="MUSE_MLX_Q8_TILE='sixteen'"):
         load_model(path, "pinned", flags)
+    with pytest.raises(ValueError, match="MUSE_MLX_Q8_TILE='sixteen'"):  # and leaves the model as it was
+        model.set_flags(())
+    assert model.route.flags == frozenset(flags)
+    assert all((m.form, m.tile) == ("q4_K_tiled", 16) for n, m in model.named_modules() if n in glu)
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "16")
+    # with the legacy fused FFN, whose kernel reads raw rows (and takes the GLU before mv_q8 does)
+    model.set_flags(flags + ["ffn_4r2s"])
+    assert all(m.form == "blocks" for n, m in model.named_modules() if n in glu)
+
+
+def test_a_lone_tiled_glu_weight_gets_its_raw_rows_back(tmp_path, monkeypatch):
+    """A GLU whose gate and up differ in type (here up is Q6_K) is not the q8 GLU's: its Q4_K gate
+    keeps its raw rows, at load and through Model.set_flags, and a prefill and a decoded token give
+    what they give without MUSE_MLX_Q8_TILE, bit for bit."""
+    from gguf import GGMLQuantizationType as T
+    from muse_mlx import writer
+    from muse_mlx.generate import batched_prefill
+    from muse_mlx.writer import Geometry
+
+    plain = writer.tensor_type
+    monkeypatch.setattr(writer, "tensor_type", lambda name, *a: T.Q6_K if name.endswith("ffn_up.weight")
+                        else plain(name, *a))
+    path = writer.write_tiny(tmp_path / "mixed.gguf", "muse-glimmer",
+                             geometry=Geometry(n_embd=512, n_ff=512, head_dim=64, n_head=4, n_head_kv=2))
+    flags = ["mv_q8", "mv_q8_q6k"]
+
+    def run(model):
+        cache = model.make_cache()
+        with batched_prefill(model.route):
+            first = np.array(model(mx.array([TOKENS[:5]]), cache)[0])
+        return first.view(np.uint32), np.array(model(mx.array([[7]]), cache)[0]).view(np.uint32)
+
+    raw, raw_q8 = run(load_model(path, "pinned", flags)), run(load_model(path, "pinned", ["mv_q8"]))
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "16")
+    model = load_model(path, "pinned", flags)
+    gate, up = model.blk[0].ffn_gate, model.blk[0].ffn_up
+    assert (gate.qtype, up.qtype) == (T.Q4_K, T.Q6_K) and gate.form == "blocks" and gate.tile == 1
+    for got, want in zip(run(model), raw):
+        np.testing.assert_array_equal(got, want)
+    model.set_flags(["mv_q8"])
+    assert gate.form == "blocks"
+    for got, want in zip(run(model), raw_q8):
+        np.testing.assert_array_equal(got, want)

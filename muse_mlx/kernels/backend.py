@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 
@@ -358,7 +359,7 @@ def included(text: str, label: str) -> str | None:
         try:
             if not path.is_file() or path.read_text(encoding="utf-8") != text:
                 folder.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
                 tmp.write_text(text, encoding="utf-8")
                 os.replace(tmp, path)
             return f'#include "{path}"\n'

@@ -953,7 +953,9 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
     if tile != 1:
         if not pre or any(k != "q4_K" for k in kinds):
             raise ValueError(f"Q4_K rows in tiles of {tile}: only for a q8 call of Q4_K matrices that takes its "
-                             f"activations quantized once, not {kinds}" + ("" if pre else " on float activations"))
+                             f"activations quantized once, not {kinds}" + ("" if pre else " on float activations")
+                             + " (a model's tiles are made at load for MUSE_MLX_Q8_TILE and MUSE_MLX_Q8_PRE as they "
+                             "were then: after changing either, load it again or call Model.set_flags)")
         for w, _ in weights:
             _tile_shape(w, tile)  # whole tiles of whole blocks, or a ValueError that says so
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
