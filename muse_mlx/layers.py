@@ -72,7 +72,7 @@ class QLinear(nn.Module):
         elif form == "q4_K_tiled":
             if qtype != T.Q4_K:
                 raise ValueError(f"the tiled form is for Q4_K rows, not {qtype.name}")
-            tiled = tile_q4_K_rows(raw, tile)  # on the host too, as the split form
+            tiled = tile_q4_K_rows(raw, tile)  # (numpy rows are tiled on the host, then moved)
             self.weight, self.tile = (mx.array(tiled) if isinstance(tiled, np.ndarray) else tiled), tile
         else:
             raise ValueError(f"unknown linear form {form!r}")
