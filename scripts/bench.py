@@ -56,7 +56,7 @@ from muse_mlx.routes import FLAG_NEEDS, PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
 
-from environment import describe_settings, env, env_settings, settings_in_effect  # noqa: E402
+from environment import FORM_SWITCHES, describe_settings, env, env_settings, settings_in_effect  # noqa: E402
 
 THIN_GEOMETRY = Geometry(n_layer=52, n_embd=512, n_ff=1024, n_head=32, n_head_kv=2, head_dim=128, n_ctx=8192,
                          sliding_window=4096, rms_eps=1e-5)
@@ -639,7 +639,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
     ap.add_argument("--compiled-only", action="store_true", help="decode with mx.compile only (not also without it)")
     ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: time every decode case once per value of the "
-                    "engine switch NAME (a MUSE_MLX_* variable), alternated, twice over")
+                    "engine switch NAME (a MUSE_MLX_* variable), alternated, twice over (a switch of the weights' "
+                    "form, " + " or ".join(FORM_SWITCHES) + ", re-forms them for each value)")
     ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
     ap.add_argument("--tune", action="store_true",
@@ -753,6 +754,8 @@ def main(argv=None) -> int:
             for compiled, ctx, (env_name, env_value) in [(c, x, v) for c in compiles for x in contexts for v in settings]:
                 n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
                 with env(env_name, env_value):
+                    if env_name in FORM_SWITCHES:  # the weights in this value's form (each run makes a new step)
+                        model.set_flags(model.route.flags)
                     r = decode_rate(model, ctx, n_tok, args.runs, compiled if model.route.fast_decode(model.cfg) else None, rng)
                 r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
                          of_roofline=r["tok_s"] / (bw / wbytes))

@@ -26,6 +26,11 @@ def env(name: str | None, value: str | None):
             os.environ[name] = old
 
 
+# Switches the engine reads when it makes a weight's form (at load and in Model.set_flags), not at
+# each launch: an --env-ab over one has the model's weights re-formed for each value (set_flags).
+FORM_SWITCHES = ("MUSE_MLX_Q8_TILE", "MUSE_MLX_Q6K_SPLIT")
+
+
 def env_settings(specs: list[str]) -> list[tuple[str | None, str | None]]:
     """The settings a measurement runs, one ``(NAME, value)`` each, from ``--env-ab`` specs
     ``NAME=V1,V2,...``: each spec's values in turn, twice over (alternated, so that a drift between

@@ -406,7 +406,8 @@ def main(argv=None) -> int:
                     "NR0xNSG[xU[xP]] (e.g. 2x2x2/4x4x1x1), set through MUSE_MLX_MV_GEOMETRY{,_Q6K} (default: the tuned ones)")
     ap.add_argument("--env-ab", action="append", default=[], help="NAME=V1,V2,...: trace every decode case once per "
                     "value of the environment variable NAME (a kernel switch such as MUSE_MLX_Q8_TAIL; read when the "
-                    "step is traced), in turn, twice over; repeated, one such sweep after another, each with the "
+                    "step is traced; a switch of the weights' form such as MUSE_MLX_Q8_TILE re-forms them through "
+                    "Model.set_flags), in turn, twice over; repeated, one such sweep after another, each with the "
                     "other sweeps' variables as the command's environment leaves them")
     ap.add_argument("--prefill", type=int, default=0, help="also trace one prefill of this many tokens (default: none)")
     ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
@@ -484,10 +485,10 @@ def main(argv=None) -> int:
     cases = [(flags, g, ctx, v) for flags in dict.fromkeys(flag_sets) for g in geometries
              for ctx in (int(c) for c in args.ctx.split(",") if c) for v in settings]
     for flags, g, ctx, (env_name, env_value) in cases:
-        model.set_flags(flags)
         if g is not None:  # read at each launch, so the next trace of the step takes them
             os.environ["MUSE_MLX_MV_GEOMETRY"], os.environ["MUSE_MLX_MV_GEOMETRY_Q6K"] = g
         with env(env_name, env_value):
+            model.set_flags(flags)  # (inside: a switch of the weights' form, e.g. MUSE_MLX_Q8_TILE, re-forms them)
             tl, wall = trace_decode(model, ctx, args.tokens, args.warmup, not args.not_compiled, args.cupti,
                                     args.host)
         general = not model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), model.make_cache())

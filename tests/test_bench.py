@@ -103,3 +103,27 @@ def test_bench_tiles_part_checks_and_times_every_tile(tmp_path, monkeypatch):
     monkeypatch.setattr(quants, "tile_q4_K_rows", lambda rows, tile: rows)
     with pytest.raises(SystemExit, match=r"ffn_down \d+x\d+ in tiles of 4 .* differs from its raw rows"):
         bench.main(["--tiny", "--parts", "tiles", "--kernel-reps", "1"])
+
+
+def test_bench_env_ab_over_a_form_switch_re_forms_the_weights(tmp_path, monkeypatch):
+    """--env-ab MUSE_MLX_Q8_TILE=1,16: each decode case runs with the GLU's weights in that value's
+    form (Model.set_flags re-forms them), alternated, twice over."""
+    from muse_mlx.layers import QLinear
+    from muse_mlx.model import Model
+
+    seen, set_flags = [], Model.set_flags
+
+    def spy(model, flags):
+        set_flags(model, flags)
+        forms = {m.form for n, m in model.named_modules() if isinstance(m, QLinear) and n.endswith("ffn_gate")}
+        seen.append((os.environ.get("MUSE_MLX_Q8_TILE"), forms))
+
+    monkeypatch.setattr(Model, "set_flags", spy)
+    out = tmp_path / "r.json"
+    assert bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--parts", "model", "--tokens", "2", "--runs", "1",
+                       "--prefill", "0", "--contexts", "4", "--routes", "pinned", "--flags", "mv_q8", "--compiled-only",
+                       "--env-ab", "MUSE_MLX_Q8_TILE=1,16", "--json", str(out)]) == 0
+    ab = [(v, f) for v, f in seen if v is not None]
+    assert ab == [("1", {"blocks"}), ("16", {"q4_K_tiled"})] * 2
+    decode = json.loads(out.read_text())["routes"][0]["decode"]
+    assert [d["env"] for d in decode] == [{"MUSE_MLX_Q8_TILE": v} for v in ("1", "16", "1", "16")]

@@ -883,9 +883,9 @@ def q8_ahead(glu: bool) -> bool:
 def q8_tile() -> int:
     """Rows a tile of the q8 GLU's gate and up matrices (``quants.tile_q4_K_rows``: each SIMD
     group's rows of a block one run of bytes; the same bits): ``MUSE_MLX_Q8_TILE=<rows>``, 1 (the
-    default: raw rows) or more. Prepared in the twenty-ninth session, not yet timed on a GPU;
-    ``bench.py --parts tiles`` times the kernels, the route's decode an A/B of processes (the form
-    is made at load)."""
+    default: raw rows) or more. Read where a weight's form is made (at load, Model.set_flags).
+    Prepared in the twenty-ninth session, not yet timed on a GPU: ``bench.py --parts tiles`` times
+    the kernels, ``--env-ab MUSE_MLX_Q8_TILE=1,16`` the route's decode (re-forming the weights)."""
     text = os.environ.get("MUSE_MLX_Q8_TILE", "1")
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"MUSE_MLX_Q8_TILE={text!r}: expected a number of rows, 1 (raw rows) or more")
