@@ -309,7 +309,10 @@ def q8_table(g, vocab: int, reps: int, rng) -> list[dict]:
     return rows
 
 
-TILE_SHAPES = {"glu": (1, 16, 64), "few": (1, 4, 16)}  # tile sizes per call class (1: raw rows)
+# tile sizes per call class: 1, raw rows; 16, a GLU SIMD group's rows at 2x4x4 (a round one run of
+# 2,304 bytes); 64 and 256, a threadgroup's and four's; 0, all of a matrix's rows (block j of every
+# row one after another: the whole grid's round, roughly, one run)
+TILE_SHAPES = {"glu": (1, 16, 64, 256, 0), "few": (1, 4, 16, 64)}
 
 
 def tiles_table(g, reps: int, rng) -> list[dict]:
@@ -332,7 +335,8 @@ def tiles_table(g, reps: int, rng) -> list[dict]:
     rows = []
     for label, cls, width, mats, glu in calls:
         nbytes = sum(w.nbytes for w in mats)
-        tiles = [t for t in TILE_SHAPES[cls] if all(w.shape[0] % t == 0 for w in mats)]
+        tiles = [t or mats[0].shape[0] for t in TILE_SHAPES[cls]]
+        tiles = list(dict.fromkeys(t for t in tiles if all(w.shape[0] % t == 0 for w in mats)))
         forms = {t: mats if t == 1 else [tile_q4_K_rows(w, t) for w in mats] for t in tiles}
         y = mx.random.normal((1, width))
         q8 = K.mul_mv.quantize_q8_rows(y)
