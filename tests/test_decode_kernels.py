@@ -551,7 +551,8 @@ def test_q8_calls_ahead_are_the_q8_calls(geometry, monkeypatch):
 
 @emulator
 @pytest.mark.parametrize("ahead", ["0", "all"])
-@pytest.mark.parametrize("geometry,tile", [("2x4x4x1", 16), ("2x4x4x1", 64), ("2x2x4x1", 8), ("4x4x32x1", 4)])
+@pytest.mark.parametrize("geometry,tile", [("2x4x4x1", 16), ("2x4x4x1", 64), ("2x4x4x1", 128), ("2x2x4x1", 8),
+                                           ("4x4x32x1", 4)])
 def test_q8_rows_in_tiles_are_the_q8_rows(geometry, tile, ahead, monkeypatch):
     """The q8 Q4_K lanes over rows in tiles (quants.tile_q4_K_rows, TILE): the GLU with its q8
     output and an all-Q4_K call of two matrices, plain and a round ahead, bit for bit what the same
@@ -578,7 +579,9 @@ def test_q8_rows_in_tiles_are_the_q8_rows(geometry, tile, ahead, monkeypatch):
     if plain_q8 is not None:
         assert np.array_equal(np.array(out_q8[0]), np.array(plain_q8[0]))
         assert_bits_equal(out_q8[1], plain_q8[1])
-    two = emulate_recorded(K.mul_mv_q8, y, [tiled[0], (tile_q4_K_rows(up[:64], tile), "q4_K")], q8=q8, tile=tile)
+    t2 = tile if 64 % tile == 0 else 64  # (a tile of all 128 rows: the call's 64-row matrix takes 64)
+    two = emulate_recorded(K.mul_mv_q8, y, [(tile_q4_K_rows(gate, t2), "q4_K"), (tile_q4_K_rows(up[:64], t2), "q4_K")],
+                           q8=q8, tile=t2)
     assert_bits_equal(two, plain_two)
 
 
