@@ -865,7 +865,7 @@ def q8_from_glu() -> bool:
     ``quantize_q8`` dispatch and letting a Q4_K one take ``mul_mv_q8_pre``:
     ``MUSE_MLX_Q8_GLU_OUT=1`` (default: on the H200 its bits are the plain GLU's and quantize_q8's,
     and it saves 0.23 ms of GPU time a token) or ``0``."""
-    return _switch("MUSE_MLX_Q8_GLU_OUT", True) and _q8_pre(("q4_K", "q4_K"), glu=True)
+    return _switch("MUSE_MLX_Q8_GLU_OUT", True) and q8_pre_glu()
 
 
 def q8_ahead(glu: bool) -> bool:
