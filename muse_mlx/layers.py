@@ -126,6 +126,16 @@ class QLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.qtype.name} as {self.form}{tiles}"
 
 
+def with_tile(form: str, rows: int) -> tuple[str, int]:
+    """``(form, tile)`` for a weight of ``rows`` rows that the route asks to hold as ``form``: for
+    "q4_K_tiled", ``MUSE_MLX_Q8_TILE``'s rows a tile, or the raw blocks where the rows are not
+    whole tiles of it; any other form with tile 1."""
+    from .kernels.mul_mv import q8_tile
+
+    tile = q8_tile() if form == "q4_K_tiled" else 1
+    return ("blocks", 1) if rows % tile else (form, tile)
+
+
 def tiles_in_pairs(gate: QLinear, up: QLinear) -> None:
     """A GLU's two weights both in tiles of the same rows, or neither: the q8 GLU reads a tiled
     pair, and a lone tiled weight (its partner of another type) would reach readers of raw rows,

@@ -20,8 +20,7 @@ from .config import ModelConfig
 from .errors import ModelConfigError
 from .gguf_file import GGUFFile
 from .kernels.backend import in_device_memory
-from .kernels.mul_mv import q8_tile
-from .layers import Norm, QEmbedding, QLinear, tiles_in_pairs
+from .layers import Norm, QEmbedding, QLinear, tiles_in_pairs, with_tile
 from .model import Model
 from .quants import FORMATS, QUANTIZED
 from .routes import Route, make_route
@@ -94,10 +93,8 @@ class _Weights:
         fmt = FORMATS[qtype]
         if in_features % fmt.block_size:
             raise ModelConfigError(self.f.path, f"tensor '{name}' rows ({in_features}) are not whole {fmt.name} blocks")
-        form = self.route.form_for(qtype, name.rsplit(".", 2)[-2] if name.count(".") >= 2 else None)
-        tile = q8_tile() if form == "q4_K_tiled" else 1
-        if out_features % tile:  # (rows that are not whole tiles stay raw)
-            form, tile = "blocks", 1
+        form, tile = with_tile(self.route.form_for(qtype, name.rsplit(".", 2)[-2] if name.count(".") >= 2 else None),
+                               out_features)
         # the split form is made on the host: made on the device, the raw rows would be held beside
         # it for a while (2.2 GB more at the release head's load, seen on the H200); the tiled form,
         # of a GLU's 75 MB matrices, on the device (on the host it took 0.17 s a matrix, 18 s a load)

@@ -225,12 +225,12 @@ class Model(nn.Module):
         hold a second copy of the table. A DecodeStep made before keeps the weights and kernels it
         traced: make a new one after switching."""
         from .kernels.mul_mv import q8_pre_glu, q8_tile
-        from .layers import RAW_FORMS, QLinear, tiles_in_pairs
+        from .layers import RAW_FORMS, QLinear, tiles_in_pairs, with_tile
         from .routes import check_flags
         from gguf import GGMLQuantizationType as T
 
         flags = check_flags(self.route.name, flags)
-        tile = q8_tile()  # (read first: a bad value then leaves the model as it was)
+        q8_tile()  # (both read first: a bad value then leaves the model as it was)
         q8_pre_glu()
         self.route.flags = flags
         # A compiled decode step that is garbage but sits in a reference cycle (DecodeStep -> its
@@ -241,10 +241,7 @@ class Model(nn.Module):
             if (isinstance(lin, QLinear) and lin.qtype in (T.Q4_K, T.Q6_K) and lin.form in RAW_FORMS
                     and not (lin is self.output and self.cfg.tied_output)):
                 form = self.route.form_for(lin.qtype, name.rsplit(".", 1)[-1])  # (blk.3.ffn_gate: "ffn_gate")
-                rows = tile if form == "q4_K_tiled" else 1
-                if lin.out_features % rows:  # rows that are not whole tiles stay raw, as at load
-                    form, rows = "blocks", 1
-                lin.reform(form, rows)
+                lin.reform(*with_tile(form, lin.out_features))
         for block in self.blk:
             tiles_in_pairs(block.ffn_gate, block.ffn_up)
 
