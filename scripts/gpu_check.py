@@ -898,31 +898,45 @@ def check_q8_outputs(rng, quick):
     compare("decode step, q8 attention on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens", on, off)
 
 
+def q8_release_calls(rng, quick):
+    """The q8 route's all-Q4_K calls at the release shapes (``quick``: small ones), on random
+    blocks: ``(glu_shape, x, [gate, up], [(name, activations, [matrices]), ...])``, the GLU ("rows x K")
+    and then the q|k|v|gate, attn_output and ffn_down calls."""
+    D, ff = (6656, 19968) if not quick else (512, 768)
+    qw, kvw = (4096, 256) if not quick else (256, 64)
+    x, h, o = randn(rng, 1, D), randn(rng, 1, ff), randn(rng, 1, qw)
+    q4 = lambda r, k: random_blocks(r, k, T.Q4_K, rng)  # noqa: E731
+    pair = [q4(ff, D), q4(ff, D)]
+    calls = [("q|k|v|gate", x, [q4(qw, D), q4(kvw, D), q4(kvw, D), q4(qw, D)]), ("attn_output", o, [q4(D, qw)]),
+             ("ffn_down", h, [q4(D, ff)])]
+    return f"{ff}x{D}", x, pair, calls
+
+
+def compare_q8_glu(kernel: str, note: str, case: str, got, want):
+    """A q8 GLU writing its output quantized, ``(output, (int8 words, (d, sum q) pairs))``, against another."""
+    (out, (qy, ds)), (w_out, (w_qy, w_ds)) = got, want
+    compare(f"{kernel} output ({note})", case, out, w_out)
+    compare(f"{kernel} d, sum q ({note})", case, ds, w_ds)
+    compare(f"{kernel} int8 words ({note})", case, mx.view(qy, mx.float32), mx.view(w_qy, mx.float32))
+
+
 def check_q8_ahead(rng, quick):
     """The q8 calls with their activations in threadgroup memory and their weights a round ahead
     (MUSE_MLX_Q8_AHEAD, opt-in): the GLU writing its q8 (mul_mv_q8_glu_ahead: its output, words and
     scales) and the all-Q4_K calls (mul_mv_q8_pre_q4K_ahead: q|k|v|gate, attn_output, ffn_down) bit
     for bit the plain kernels', on the release shapes at their classes' geometries and at one other
     each; then a tiny model's compiled decode with mv_q8 + mv_q8_q6k, with it on (all) and off."""
-    D, ff = (6656, 19968) if not quick else (512, 768)
-    qw, kvw = (4096, 256) if not quick else (256, 64)
-    x, h, o = randn(rng, 1, D), randn(rng, 1, ff), randn(rng, 1, qw)
-    q4 = lambda r, k: (random_blocks(r, k, T.Q4_K, rng), "q4_K")  # noqa: E731
-    glu = [q4(ff, D), q4(ff, D)]
+    glu_shape, x, pair, calls = q8_release_calls(rng, quick)
+    glu = [(w, "q4_K") for w in pair]
     for geometry in (None, "2x2x4x1"):
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", geometry):
             label = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
             with env("MUSE_MLX_Q8_AHEAD", "0"):
-                plain, (plain_qy, plain_ds) = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
+                plain = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
             with env("MUSE_MLX_Q8_AHEAD", "glu"):
-                out, (qy, ds) = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
-        case = f"{ff}x{D} silu at {label}"
-        compare("mul_mv_q8_glu_ahead output (opt-in mv_q8_q6k)", case, out, plain)
-        compare("mul_mv_q8_glu_ahead d, sum q (opt-in mv_q8_q6k)", case, ds, plain_ds)
-        compare("mul_mv_q8_glu_ahead int8 words (opt-in mv_q8_q6k)", case, mx.view(qy, mx.float32),
-                mx.view(plain_qy, mx.float32))
-    calls = (("q|k|v|gate", x, [q4(qw, D), q4(kvw, D), q4(kvw, D), q4(qw, D)]), ("attn_output", o, [q4(D, qw)]),
-             ("ffn_down", h, [q4(D, ff)]))
+                out = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
+        compare_q8_glu("mul_mv_q8_glu_ahead", "opt-in mv_q8_q6k", f"{glu_shape} silu at {label}", out, plain)
+    calls = [(name, y, [(w, "q4_K") for w in mats]) for name, y, mats in calls]
     for name, y, mats in calls:
         q8 = gpu(mul_mv.quantize_q8_rows, y)
         call = mul_mv.q8_call(sum(w.shape[0] for w, _ in mats), False)
@@ -953,24 +967,15 @@ def check_q8_tiles(rng, quick):
     from muse_mlx.quants import tile_q4_K_rows
     from muse_mlx.writer import Geometry, write_tiny
 
-    D, ff = (6656, 19968) if not quick else (512, 768)
-    qw, kvw = (4096, 256) if not quick else (256, 64)
-    x, h, o = randn(rng, 1, D), randn(rng, 1, ff), randn(rng, 1, qw)
-    q4 = lambda r, k: random_blocks(r, k, T.Q4_K, rng)  # noqa: E731
-    gate, up = q4(ff, D), q4(ff, D)
+    glu_shape, x, (gate, up), calls = q8_release_calls(rng, quick)
     for ahead in ("0", "all"):
         with env("MUSE_MLX_Q8_AHEAD", ahead):
-            plain, (plain_qy, plain_ds) = gpu(K.mul_mv_q8, x, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True)
+            plain = gpu(K.mul_mv_q8, x, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True)
             for tile in (16, 64):
                 tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
-                out, (qy, ds) = gpu(K.mul_mv_q8, x, tiled, glu="silu", q8_out=True, tile=tile)
-                case = f"{ff}x{D} silu, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}"
-                compare("q8 GLU on tiled rows: output (opt-in MUSE_MLX_Q8_TILE)", case, out, plain)
-                compare("q8 GLU on tiled rows: d, sum q (opt-in MUSE_MLX_Q8_TILE)", case, ds, plain_ds)
-                compare("q8 GLU on tiled rows: int8 words (opt-in MUSE_MLX_Q8_TILE)", case, mx.view(qy, mx.float32),
-                        mx.view(plain_qy, mx.float32))
-    calls = (("q|k|v|gate", x, [q4(qw, D), q4(kvw, D), q4(kvw, D), q4(qw, D)]), ("attn_output", o, [q4(D, qw)]),
-             ("ffn_down", h, [q4(D, ff)]))
+                out = gpu(K.mul_mv_q8, x, tiled, glu="silu", q8_out=True, tile=tile)
+                compare_q8_glu("q8 GLU on tiled rows:", "opt-in MUSE_MLX_Q8_TILE",
+                               f"{glu_shape} silu, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}", out, plain)
     for name, y, mats in calls:
         q8 = gpu(mul_mv.quantize_q8_rows, y)
         for ahead in ("0", "all"):
@@ -984,7 +989,7 @@ def check_q8_tiles(rng, quick):
         want = gpu(K.dequantize_rows, gate, "q4_K", dtype)
         got = gpu(K.dequantize_rows, tile_q4_K_rows(gate, 16), "q4_K", dtype, tile=16)
         compare(f"dequant_{'f32' if dtype == mx.float32 else 'f16'} of tiled rows (opt-in MUSE_MLX_Q8_TILE)",
-                f"{ff}x{D}, tiles of 16", got.astype(mx.float32), want.astype(mx.float32))
+                f"{glu_shape}, tiles of 16", got.astype(mx.float32), want.astype(mx.float32))
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer",
                           geometry=Geometry(n_embd=512, n_ff=512, head_dim=64, n_head=4, n_head_kv=2))
