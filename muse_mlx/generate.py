@@ -21,7 +21,8 @@ import mlx.core as mx
 
 from .decode import DecodeStep
 from .errors import MuseError, NumericalError, RequestError
-from .sampling import make_sampler
+from .kernels.logits import logit_stats
+from .sampling import greedy, make_sampler
 
 DEFAULT_MAX_TOKENS = 100
 DEFAULT_PREFILL_STEP = 512
@@ -49,6 +50,19 @@ class GenerationResponse:
 # H200 (docs/performance.md, fifth session), with each group started before the previous one is
 # waited for, every layer is as fast as any longer period in both modes and needs the least memory
 PREFILL_MODES = {"batched": (mx.float32, 1), "batched-f16": (mx.float16, 1), "exact": (None, 0)}
+
+
+def next_token(logits: mx.array, sampler=greedy) -> tuple[mx.array, mx.array, mx.array]:
+    """``(token [B], logprobs [B, V], finite [B])`` of logits ``[B, V]``: what generation reads from
+    a decoded token's logits. Their argmax, log-sum-exp and finite check come from one pass
+    (:func:`~muse_mlx.kernels.logits.logit_stats`: two launches on a GPU, where MLX's argmax,
+    logsumexp, isfinite and all took five); :func:`~muse_mlx.sampling.greedy` takes its token
+    from there (the argmax of the logits), any other sampler draws from ``logprobs``. ``finite``
+    is 1 where every logit is finite; ``logprobs`` stays lazy unless the sampler reads it."""
+    stats = logit_stats(logits)
+    logprobs = logits - stats.lse[..., None]
+    token = stats.token if sampler is greedy else sampler(logprobs)
+    return token, logprobs, stats.finite
 
 
 def generate_step(
@@ -92,8 +106,8 @@ def generate_step(
                 logits = decode(y)[None]
             else:
                 logits = model(y.reshape(1, -1), cache, last_only=True)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return sampler(logprobs)[0], logprobs[0], mx.isfinite(logits).all()
+            token, logprobs, finite = next_token(logits, sampler)
+            return token[0], logprobs[0], finite[0]
 
     with mx.stream(generation_stream), batched_prefill(model.route, prefill):
         done, total = 0, prompt.size - 1
@@ -106,13 +120,15 @@ def generate_step(
             if prefill_callback is not None:
                 prefill_callback(done, total)
             mx.clear_cache()
+    # (the log-probabilities are evaluated with the token where the sampler reads them, else when
+    # the caller does: a greedy decode need not write them)
     y, logprobs, finite = step(prompt)
-    mx.async_eval(y, logprobs, finite)
+    mx.async_eval(y, finite)
     n = 0
     while n < max_tokens:
         if n + 1 < max_tokens:
             next_y, next_logprobs, next_finite = step(y)
-            mx.async_eval(next_y, next_logprobs, next_finite)
+            mx.async_eval(next_y, next_finite)
         token = int(y.item())
         if not finite.item():
             _raise_nonfinite(model, history, n)

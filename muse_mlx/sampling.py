@@ -43,11 +43,18 @@ def _top_k(logprobs: mx.array, k: int) -> mx.array:
     return mx.where(logprobs >= kth, logprobs, -mx.inf)
 
 
+def greedy(logprobs: mx.array) -> mx.array:
+    """The greedy sampler: the first index of each row's maximum. Generation recognizes it and takes
+    the token from the logits' statistics instead (``muse_mlx.generate.next_token``): the argmax of
+    the logits themselves, read in the same pass as their log-sum-exp."""
+    return mx.argmax(logprobs, axis=-1)
+
+
 def make_sampler(temp: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0):
-    """A function ``logprobs [B, V] -> tokens [B]``. ``temp == 0`` is greedy (argmax)."""
+    """A function ``logprobs [B, V] -> tokens [B]``. ``temp == 0`` is :func:`greedy`."""
     check_sampling(temp, top_p, top_k, min_p)
     if temp == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+        return greedy
 
     def sample(logprobs: mx.array) -> mx.array:
         if 0 < top_p < 1:

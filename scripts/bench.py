@@ -49,7 +49,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from muse_mlx import kernels as K  # noqa: E402
 from muse_mlx import load_model, synthetic  # noqa: E402
 from muse_mlx.decode import DecodeStep  # noqa: E402
-from muse_mlx.generate import batched_prefill, weight_bytes_per_token  # noqa: E402
+from muse_mlx.generate import batched_prefill, next_token, weight_bytes_per_token  # noqa: E402
 from muse_mlx.layers import QLinear  # noqa: E402
 from muse_mlx.quants import split_q6_K  # noqa: E402
 from muse_mlx.routes import FLAG_NEEDS, PINNED_FLAGS, StockRoute  # noqa: E402
@@ -388,9 +388,25 @@ def pick_geometries(sweep: list[dict]) -> dict:
     return picks
 
 
-def breakdown_table(g, reps: int, rng) -> list[dict]:
+def logits_table(vocab: int, reps: int) -> list[dict]:
+    """What generation reads from a token's logits (``generate.next_token``): ``logit_stats``'s one
+    pass against MLX's ops for the same, and against MLX's argmax alone (this script's greedy pick
+    until the thirtieth session)."""
+    rows = []
+    for name, fn in ((f"logit_stats over {vocab} logits (argmax, log-sum-exp, finite)", lambda y: tuple(K.logit_stats(y))),
+                     (f"MLX's argmax + logsumexp + isfinite.all over {vocab}",
+                      lambda y: (mx.argmax(y, axis=-1), mx.logsumexp(y, axis=-1), mx.isfinite(y).all())),
+                     (f"MLX's argmax alone over {vocab}", lambda y: mx.argmax(y, axis=-1))):
+        t = time_op(fn, reps, vocab)
+        rows.append(dict(op=name, us=t * 1e6))
+        log(f"  {name:60} {t * 1e6:9.1f} us")
+    return rows
+
+
+def breakdown_table(g, reps: int, rng, vocab: int) -> list[dict]:
     """Where a token's time goes besides the big matvecs, and what a prefill chunk is made of:
-    every small decode kernel of one layer alone, and a prefill matrix's dequantization and matmul."""
+    every small decode kernel of one layer alone, what generation reads from the logits, and a
+    prefill matrix's dequantization and matmul."""
     D, H, Hkv, hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
     rows = []
 
@@ -425,6 +441,7 @@ def breakdown_table(g, reps: int, rng) -> list[dict]:
             2 * Hkv * (ctx + 1) * hd * 2)
         # (the cache write is not timed alone: held by a closure, its planes would be copied,
         # while the decode step donates them and slice_update writes in place)
+    rows += logits_table(vocab, reps)
     # a prefill chunk: the dequantization of one FFN matrix (each type, each output dtype), then
     # matmuls of 512 tokens against it
     for qt, kind in ((T.Q4_K, "q4_K"), (T.Q6_K, "q6_K")):
@@ -529,11 +546,12 @@ def norm_chain(n: int):
 
 def greedy_step(model, cache, capacity: int, compiled):
     """``token -> next greedy token``: the decode path's ``DecodeStep`` where the route has one
-    (``compiled`` as it says), else the model's general forward over the growing cache."""
+    (``compiled`` as it says), else the model's general forward over the growing cache; the token
+    taken as generation takes it (``generate.next_token``: the logits' statistics)."""
     if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
         step_fn = DecodeStep(model, cache, capacity, compiled)
-        return lambda y: mx.argmax(step_fn(y))
-    return lambda y: mx.argmax(model(y.reshape(1, 1), cache, last_only=True)[0, -1])
+        return lambda y: next_token(step_fn(y)[None])[0][0]
+    return lambda y: next_token(model(y.reshape(1, 1), cache, last_only=True)[:, -1])[0][0]
 
 
 def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dict:
@@ -639,7 +657,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "
                          "q8 matvecs per geometry; sets the fastest), tiles (the q8 Q4_K calls on rows in tiles, "
-                         "bit for bit against raw rows) (default: %(default)s)")
+                         "bit for bit against raw rows), logits (what generation reads from a token's logits: "
+                         "logit_stats against MLX's ops; also in breakdown) (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
     ap.add_argument("--compiled-only", action="store_true", help="decode with mx.compile only (not also without it)")
     ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: time every decode case once per value of the "
@@ -692,7 +711,7 @@ def main(argv=None) -> int:
         log(f"tuned geometries: {report['tuned']}")
         mx.clear_cache()
     parts = set(args.parts.split(","))
-    unknown = parts - {"dispatch", "kernels", "breakdown", "model", "q8", "tiles"}
+    unknown = parts - {"dispatch", "kernels", "breakdown", "model", "q8", "tiles", "logits"}
     if unknown:
         ap.error(f"unknown part(s) {', '.join(sorted(unknown))} in --parts")
     if K.backend() != "cpu" and "dispatch" in parts:
@@ -707,13 +726,16 @@ def main(argv=None) -> int:
         log("the q8 route's Q4_K calls on rows in tiles (quants.tile_q4_K_rows), plain and a round ahead:")
         report["tiles"] = tiles_table(g, args.kernel_reps, rng)
         mx.clear_cache()
+    if "logits" in parts and "breakdown" not in parts:  # (the breakdown holds these rows too)
+        log("what generation reads from the logits:")
+        report["logits"] = logits_table(vocab, args.kernel_reps)
     if "kernels" in parts:
         log("per-kernel timings (one token):")
         report["kernels"] = kernel_table(g, vocab, args.kernel_reps, rng)
         mx.clear_cache()
     if "breakdown" in parts:
         log("the small decode kernels, and a prefill matrix:")
-        report["breakdown"] = breakdown_table(g, args.kernel_reps, rng)
+        report["breakdown"] = breakdown_table(g, args.kernel_reps, rng, vocab)
         mx.clear_cache()
     if "model" not in parts:
         if args.json:

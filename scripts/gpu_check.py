@@ -58,6 +58,7 @@ WHICH = backend()  # read once: inside an oracle the default stream is the CPU's
 PROBES = {
     "rsqrt": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = rsqrt(x[i]);",
     "exp": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = exp(x[i]);",
+    "log": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = log(x[i]);",
     "tanh": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = precise::tanh(x[i]);",
     "sin": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = sin(x[i]);",
     "cos": "const uint i = thread_position_in_grid.x; if (i < count[0]) out[i] = cos(x[i]);",
@@ -1028,6 +1029,38 @@ def check_kv_through(rng, quick):
     compare("decode step, planes through == scatters after", "tiny muse-glimmer, 16 tokens", thru, layer)
 
 
+def check_logits(rng, quick):
+    """The logits' statistics (``logit_stats``: argmax, log-sum-exp, finite flag) against their order
+    on the CPU with this GPU's own exp and log (the probes), bit for bit, and the log-sum-exp against
+    float64; rows of the vocabulary's length with the maximum tied across threadgroups, an -inf and a
+    NaN among them."""
+    from muse_mlx.kernels import logits
+
+    n = 70_001 if quick else 202_048
+    x = 4.0 * rng.standard_normal((5, n)).astype(np.float32)
+    x[1, [n - 1, 7, 7 + 65_536]] = 40.0  # a tie: the first index wins, across threadgroups
+    x[2, 11] = -np.inf
+    x[3, n // 2] = np.nan
+    x[4, :] = x[4, 0]  # every value the maximum
+    cases = [(f"5 rows of {n} (ties, -inf, NaN)", mx.array(x))]
+    if not quick:
+        cases += [("3 rows of 5", randn(rng, 3, 5, scale=4.0)), ("1 row of 300", randn(rng, 1, 300, scale=4.0))]
+    for case, v in cases:
+        got = gpu(logits.logit_stats, v)
+        want = logits.logit_stats_oracle(v, exp=probe("exp"), log=probe("log"))
+        compare("logit_stats token", case, got.token, want.token)
+        compare("logit_stats finite", case, got.finite, want.finite)
+        live = np.flatnonzero(np.array(want.finite))  # the log-sum-exp of a row with NaN or Inf means nothing
+        compare("logit_stats lse, device exp/log order", case, got.lse[mx.array(live)], want.lse[mx.array(live)])
+        x64 = np.array(v, np.float64)[live]
+        top = x64.max(axis=1, keepdims=True)
+        lse64 = (top + np.log(np.exp(x64 - top).sum(axis=1, keepdims=True)))[:, 0]
+        compare("logit_stats lse vs float64", case, got.lse[mx.array(live)], mx.array(lse64.astype(np.float32)),
+                exact=False, note="its own order against the float64 sum")
+        first = np.argmax(np.nan_to_num(np.array(v), nan=-np.inf), axis=1)[live]
+        compare("logit_stats token vs numpy argmax", case, got.token[mx.array(live)], mx.array(first.astype(np.uint32)))
+
+
 def transcendental_ulps(rng, quick=False):
     """The GPU's rsqrt/exp/tanh against correctly rounded values, on 1M arguments each (64K quick:
     the float64 references run on the CPU and took most of a quick run's four minutes)."""
@@ -1049,7 +1082,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
-                q8_ahead=check_q8_ahead, q8_tiles=check_q8_tiles,
+                q8_ahead=check_q8_ahead, q8_tiles=check_q8_tiles, logits=check_logits,
                 transcendentals=transcendental_ulps)
 
 

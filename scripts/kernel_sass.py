@@ -468,6 +468,7 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
         rec("rms_norm_f16", K.rms_norm_f16, x, w)
         rec("tail_dual_eps", K.tail_dual_eps, x, x, w, w, 1e-6, 1e-6)
         rec("tail_dual_eps_q8 (mv_q8)", K.tail_dual_eps_q8, x, x, w, w, 1e-6, 1e-6)
+        rec(f"logit_stats {VOCAB}", K.logit_stats, mx.zeros((1, VOCAB)))
         with env("MUSE_MLX_Q4K_HALVES", halves):  # the form the prepared lines above read
             rec("tail_dual_eps_q4 (prepared activations)", K.tail_dual_eps_q4, x, x, w, w, 1e-6, 1e-6)
         rec("tail_32sg", K.tail_32sg, x, x, w, w, 1e-6, 1e-6)

@@ -335,6 +335,7 @@ inline float dot(float4 a, float4 b) { return fma(a.w, b.w, fma(a.z, b.z, fma(a.
 inline float sqrt(float x) { return std::sqrt(x); }
 inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }  // NOT the GPU's approximate rsqrt
 inline float exp(float x) { return std::exp(x); }            // the C library's expf
+inline float log(float x) { return std::log(x); }            // logf
 inline float sin(float x) { return std::sin(x); }            // sinf
 inline float cos(float x) { return std::cos(x); }            // cosf
 namespace precise {

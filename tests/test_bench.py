@@ -105,6 +105,16 @@ def test_bench_tiles_part_checks_and_times_every_tile(tmp_path, monkeypatch):
         bench.main(["--tiny", "--parts", "tiles", "--kernel-reps", "1"])
 
 
+def test_bench_logits_part_times_the_pick_both_ways(tmp_path):
+    """--parts logits: logit_stats, MLX's ops for the same, and MLX's argmax alone, at the vocabulary."""
+    out = tmp_path / "logits.json"
+    assert bench.main(["--tiny", "--parts", "logits", "--kernel-reps", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["logits"]
+    assert [r["op"].split(" over ")[0] for r in rows] == [
+        "logit_stats", "MLX's argmax + logsumexp + isfinite.all", "MLX's argmax alone"]
+    assert all(r["us"] > 0 and " 2048" in r["op"] for r in rows)
+
+
 def test_bench_env_ab_over_a_form_switch_re_forms_the_weights(tmp_path, monkeypatch):
     """--env-ab MUSE_MLX_Q8_TILE=1,16: each decode case runs with the GLU's weights in that value's
     form (Model.set_flags re-forms them), alternated, twice over."""

@@ -79,7 +79,7 @@ def run_probe(body, threads, tg=None, out_size=None):
 # -- the C library's float functions, for the kernels that call exp, tanh, sin, cos ----------
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m"))
-for _name in ("expf", "tanhf", "sinf", "cosf"):
+for _name in ("expf", "logf", "tanhf", "sinf", "cosf"):
     getattr(_LIBM, _name).restype = ctypes.c_float
     getattr(_LIBM, _name).argtypes = [ctypes.c_float]
 

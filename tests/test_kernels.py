@@ -332,6 +332,7 @@ def record_all_kernels():
                                     attention.rope_table(128, 10000.0, 1.0), kv, attention.decode_geometry(256, 0), 0.1,
                                     n_head=6, rd=128, traditional=False, v_offset=8 * 128, nth=32, q8_out=True,
                                     through=through, which="record")
+    K.logit_stats(arr(2, 1000), which="record")
     calls = list(Kernel.recorded)
     assert {c["kernel"] for c in calls} == set(K.ALL_KERNELS)
     return calls

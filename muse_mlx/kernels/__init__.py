@@ -22,24 +22,26 @@ function                               reference
 ``attn_decode(q, kv, pos, geom, ..)``  one token's GQA attention + output gate (not pinned)
 ``qk_rope_pack(y, w, eps, pos, rope)``  Q/K-norms, RoPE and the f16 K/V of a token, one dispatch
 ``attn_decode_token(y, .., kv, ..)``    the two above in one dispatch (caches of <= 1,024); K/V handed out
+``logit_stats(logits)``                 a row's argmax, log-sum-exp and finite check, one pass (not pinned)
 ``silu_mul(g, u)`` / ``gelu_mul``      seeds Ch 18 ``muser_silu_mul_inplace`` / ggml geglu
 ``ffn_q4k_gate_up_4r2s(x, wg, wu)``    seeds Ch 18 §18.5 ``ffn_q4k_gate_up_silu_4r2s``
 =====================================  ====================================================
 """
 
-from . import attention, ffn, mul_mv, norm_tail, rms_norm
+from . import attention, ffn, logits, mul_mv, norm_tail, rms_norm
 from .attention import attn_decode, attn_decode_token, qk_rope_pack, rope_table
 from .backend import backend
 from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
+from .logits import logit_stats
 from .mul_mv import dequantize_rows, embed_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K, mul_mv_q8
 from .norm_tail import tail_32sg, tail_dual_eps, tail_dual_eps_q4, tail_dual_eps_q8
 from .rms_norm import GEOMETRIES, norm_threads, rms_norm_batch, rms_norm_f16, rms_norm_mul
 
-ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS + attention.KERNELS
+ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNELS + attention.KERNELS + logits.KERNELS
 
 __all__ = [
     "attn_decode", "attn_decode_token", "qk_rope_pack", "rope_table", "dequantize_rows", "embed_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
-    "backend", "ffn_q4k_gate_up_4r2s", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
+    "backend", "ffn_q4k_gate_up_4r2s", "logit_stats", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
     "tail_32sg", "tail_dual_eps", "tail_dual_eps_q4", "tail_dual_eps_q8", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
     "rms_norm_mul", "ALL_KERNELS",
 ]

@@ -102,6 +102,7 @@ __device__ __forceinline__ float dot(float4 a, float4 b) {
 // as_type<T>(u): Metal's bit-for-bit reinterpretation, for the pairs the bodies use.
 template <typename T, typename U> __device__ T as_type(U u);
 template <> __device__ __forceinline__ float as_type<float, uint>(uint u) { return __uint_as_float(u); }
+template <> __device__ __forceinline__ uint as_type<uint, float>(float f) { return __float_as_uint(f); }
 template <> __device__ __forceinline__ __half as_type<__half, ushort>(ushort u) { return __ushort_as_half(u); }
 template <> __device__ __forceinline__ char as_type<char, uchar>(uchar u) { return (char)(signed char)u; }
 template <> __device__ __forceinline__ char4 as_type<char4, uint>(uint u) {  // little-endian: x = byte 0
