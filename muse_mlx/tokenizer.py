@@ -197,7 +197,16 @@ class Tokenizer:
 
 
 class StreamingDetokenizer:
-    """Text as tokens arrive: emits only complete characters, re-decoding since the last newline."""
+    """Text as tokens arrive, emitting only complete characters, in constant time a token.
+
+    Each step decodes two short windows that start at the same token: the tokens already emitted
+    since the last emission (``[prefix:read]``) and those plus the new ones (``[prefix:]``), and
+    hands out what the second adds. Both windows start at a token whose predecessors decoded to
+    whole characters, and a decoder's treatment of a window's first token (SentencePiece's strip
+    of one leading space) is the same in both, so the pieces add up to the full decode. (Re-decoding
+    everything since the last newline, as before, cost time linear in the line's length, 0.2 ms a
+    token at 2,000 tokens, and dropped a SentencePiece token's leading space after each newline.)
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -205,27 +214,27 @@ class StreamingDetokenizer:
 
     def reset(self):
         self.tokens: list[int] = []
-        self.text = ""  # everything finalized so far
-        self._segment: list[int] = []
-        self._emitted = 0  # characters of the current segment already handed out
+        self.text = ""  # everything handed out so far
+        self._prefix = 0  # the window's first token
+        self._read = 0  # tokens before this one have been handed out
 
     def add_token(self, token: int) -> str:
         """Append a token and return the newly finished text (possibly empty)."""
         self.tokens.append(token)
-        self._segment.append(token)
-        seg = self.tokenizer.decode(self._segment)
-        if seg.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+        done = self.tokenizer.decode(self.tokens[self._prefix : self._read])
+        now = self.tokenizer.decode(self.tokens[self._prefix :])
+        if now.endswith("\ufffd") or len(now) <= len(done):  # an incomplete UTF-8 sequence, or nothing new yet
             return ""
-        new = seg[self._emitted :]
-        self._emitted = len(seg)
-        if seg.endswith("\n"):
-            self.text += seg
-            self._segment, self._emitted = [], 0
+        new = now[len(done) :]
+        self._prefix, self._read = self._read, len(self.tokens)
+        self.text += new
         return new
 
     def finalize(self) -> str:
-        seg = self.tokenizer.decode(self._segment)
-        new = seg[self._emitted :]
-        self.text += seg
-        self._segment, self._emitted = [], 0
+        """The rest, incomplete characters included (as the full decode would give them): the
+        stream's end (``reset`` starts another)."""
+        done = self.tokenizer.decode(self.tokens[self._prefix : self._read])
+        new = self.tokenizer.decode(self.tokens[self._prefix :])[len(done) :]
+        self._prefix = self._read = len(self.tokens)
+        self.text += new
         return new

@@ -86,14 +86,34 @@ def test_chat_template_renders(bpe_path):
     assert text == "<|bos|><|system|>Be brief.<|eot|><|user|>Hi<|eot|><|assistant|>"
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_streaming_detokenizer_equals_full_decode(bpe_path, text):
-    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+STREAMED = TEXTS + ["a\n b", "line one\n  indented two\nthree\n \n"]  # spaces after newlines (SentencePiece strips a window's first)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "spm"])
+@pytest.mark.parametrize("text", STREAMED)
+def test_streaming_detokenizer_equals_full_decode(bpe_path, spm_path, kind, text):
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path if kind == "bpe" else spm_path))
     ids = tok.encode(text, add_special_tokens=False)
     d = tok.detokenizer()
     pieces = [d.add_token(i) for i in ids] + [d.finalize()]
     assert "".join(pieces) == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)  # never a half character
+    assert d.text == text
+
+
+@pytest.mark.parametrize("kind", ["bpe", "spm"])
+def test_streaming_detokenizer_decodes_a_few_tokens_a_step(bpe_path, spm_path, kind, monkeypatch):
+    """Constant work a token: every decode it makes covers a handful of tokens, however long the
+    line (re-decoding since the last newline made a 2,000-token line cost 0.2 ms a token)."""
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path if kind == "bpe" else spm_path))
+    text = " ".join(TEXTS).replace("\n", " ") * 20  # one long line
+    ids = tok.encode(text, add_special_tokens=False)
+    sizes, decode = [], tok.decode
+    monkeypatch.setattr(tok, "decode", lambda window, **kw: sizes.append(len(window)) or decode(window, **kw))
+    d = tok.detokenizer()
+    pieces = [d.add_token(i) for i in ids] + [d.finalize()]
+    assert "".join(pieces) == text and len(ids) > 500
+    assert max(sizes) <= 8, max(sizes)  # a multi-byte character's tokens and the one before them
 
 
 @pytest.mark.parametrize("text", TEXTS)
