@@ -58,7 +58,9 @@ def next_token(logits: mx.array, sampler=greedy) -> tuple[mx.array, mx.array, mx
     (:func:`~muse_mlx.kernels.logits.logit_stats`: two launches on a GPU, where MLX's argmax,
     logsumexp, isfinite and all took five); :func:`~muse_mlx.sampling.greedy` takes its token
     from there (the argmax of the logits), any other sampler draws from ``logprobs``. ``finite``
-    is 1 where every logit is finite; ``logprobs`` stays lazy unless the sampler reads it."""
+    is 1 where every logit is finite; ``logprobs`` is lazy. A sampler other than ``greedy`` itself
+    (a wrapped or compiled one too) draws from ``logprobs``: its argmax may then differ from the
+    logits' where two logits are one float32 step apart."""
     stats = logit_stats(logits)
     logprobs = logits - stats.lse[..., None]
     token = stats.token if sampler is greedy else sampler(logprobs)
@@ -68,7 +70,7 @@ def next_token(logits: mx.array, sampler=greedy) -> tuple[mx.array, mx.array, mx
 def generate_step(
     prompt: mx.array, model, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None, prefill_callback=None,
-    prefill: str = "batched", compiled: bool | None = None,
+    prefill: str = "batched", compiled: bool | None = None, eval_logprobs: bool = True,
 ) -> Generator[tuple[int, mx.array], None, None]:
     """Yield ``(token, logprobs)`` pairs, one per generated token, for a 1-D prompt of ids.
 
@@ -79,7 +81,10 @@ def generate_step(
     the products are summed in float32, and MLX rounds the sums to half too); ``"exact"``
     keeps the route's one-token kernels for every prompt token (slow, batch-1 bits).
     Decoding goes through :class:`~muse_mlx.decode.DecodeStep` when the route has a one-token
-    decode path (``compiled``: replay one ``mx.compile`` trace; default: on a GPU).
+    decode path (``compiled``: replay one ``mx.compile`` trace; default: on a GPU). Each token's
+    log-probabilities are evaluated with it (``eval_logprobs``, as mlx-lm does); ``False`` leaves them
+    lazy, one launch a token fewer for a caller that does not read them (:func:`generate`, the CLI),
+    while one read later waits for the step queued after it.
     """
     if prompt.ndim != 1 or prompt.size == 0:
         raise RequestError("the prompt must contain at least one token")
@@ -120,15 +125,13 @@ def generate_step(
             if prefill_callback is not None:
                 prefill_callback(done, total)
             mx.clear_cache()
-    # (the log-probabilities are evaluated with the token where the sampler reads them, else when
-    # the caller does: a greedy decode need not write them)
     y, logprobs, finite = step(prompt)
-    mx.async_eval(y, finite)
+    mx.async_eval(y, finite, *([logprobs] if eval_logprobs else []))
     n = 0
     while n < max_tokens:
         if n + 1 < max_tokens:
             next_y, next_logprobs, next_finite = step(y)
-            mx.async_eval(next_y, next_finite)
+            mx.async_eval(next_y, next_finite, *([next_logprobs] if eval_logprobs else []))
         token = int(y.item())
         if not finite.item():
             _raise_nonfinite(model, history, n)
@@ -233,7 +236,9 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
 
 
 def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:
-    """Generate and return the text; with ``verbose``, stream it and print mlx-lm's statistics."""
+    """Generate and return the text; with ``verbose``, stream it and print mlx-lm's statistics.
+    (The log-probabilities are not read here, so they are not evaluated: ``eval_logprobs``.)"""
+    kwargs.setdefault("eval_logprobs", False)
     if verbose:
         print("=" * 10, flush=True)
     text, last = "", None

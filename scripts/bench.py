@@ -403,10 +403,9 @@ def logits_table(vocab: int, reps: int) -> list[dict]:
     return rows
 
 
-def breakdown_table(g, reps: int, rng, vocab: int) -> list[dict]:
+def breakdown_table(g, reps: int, rng) -> list[dict]:
     """Where a token's time goes besides the big matvecs, and what a prefill chunk is made of:
-    every small decode kernel of one layer alone, what generation reads from the logits, and a
-    prefill matrix's dequantization and matmul."""
+    every small decode kernel of one layer alone, and a prefill matrix's dequantization and matmul."""
     D, H, Hkv, hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
     rows = []
 
@@ -441,7 +440,6 @@ def breakdown_table(g, reps: int, rng, vocab: int) -> list[dict]:
             2 * Hkv * (ctx + 1) * hd * 2)
         # (the cache write is not timed alone: held by a closure, its planes would be copied,
         # while the decode step donates them and slice_update writes in place)
-    rows += logits_table(vocab, reps)
     # a prefill chunk: the dequantization of one FFN matrix (each type, each output dtype), then
     # matmuls of 512 tokens against it
     for qt, kind in ((T.Q4_K, "q4_K"), (T.Q6_K, "q6_K")):
@@ -654,11 +652,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-commit-ab", action="store_true",
                     help="also time each prefill with and without every batched weight matmul in a CUDA graph of its own "
                     "(generate's default: with, for the float32 mode on CUDA)")
-    ap.add_argument("--parts", default="dispatch,kernels,breakdown,model",
+    ap.add_argument("--parts", default="dispatch,kernels,breakdown,logits,model",
                     help="what to measure, comma-separated, of dispatch, kernels, breakdown, model, q8 (the opt-in "
                          "q8 matvecs per geometry; sets the fastest), tiles (the q8 Q4_K calls on rows in tiles, "
                          "bit for bit against raw rows), logits (what generation reads from a token's logits: "
-                         "logit_stats against MLX's ops; also in breakdown) (default: %(default)s)")
+                         "logit_stats against MLX's ops) (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true", help="decode without mx.compile (also measured with it by default)")
     ap.add_argument("--compiled-only", action="store_true", help="decode with mx.compile only (not also without it)")
     ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: time every decode case once per value of the "
@@ -726,7 +724,7 @@ def main(argv=None) -> int:
         log("the q8 route's Q4_K calls on rows in tiles (quants.tile_q4_K_rows), plain and a round ahead:")
         report["tiles"] = tiles_table(g, args.kernel_reps, rng)
         mx.clear_cache()
-    if "logits" in parts and "breakdown" not in parts:  # (the breakdown holds these rows too)
+    if "logits" in parts:
         log("what generation reads from the logits:")
         report["logits"] = logits_table(vocab, args.kernel_reps)
     if "kernels" in parts:
@@ -735,7 +733,7 @@ def main(argv=None) -> int:
         mx.clear_cache()
     if "breakdown" in parts:
         log("the small decode kernels, and a prefill matrix:")
-        report["breakdown"] = breakdown_table(g, args.kernel_reps, rng, vocab)
+        report["breakdown"] = breakdown_table(g, args.kernel_reps, rng)
         mx.clear_cache()
     if "model" not in parts:
         if args.json:

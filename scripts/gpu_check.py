@@ -1032,17 +1032,19 @@ def check_kv_through(rng, quick):
 def check_logits(rng, quick):
     """The logits' statistics (``logit_stats``: argmax, log-sum-exp, finite flag) against their order
     on the CPU with this GPU's own exp and log (the probes), bit for bit, and the log-sum-exp against
-    float64; rows of the vocabulary's length with the maximum tied across threadgroups, an -inf and a
-    NaN among them."""
+    float64; rows of the vocabulary's length with a maximum tied at each level of the merges (the
+    incoming state holding the lower index), an -inf, a NaN, a row of one value."""
     from muse_mlx.kernels import logits
 
-    n = 70_001 if quick else 202_048
-    x = 4.0 * rng.standard_normal((5, n)).astype(np.float32)
-    x[1, [n - 1, 7, 7 + 65_536]] = 40.0  # a tie: the first index wins, across threadgroups
-    x[2, 11] = -np.inf
-    x[3, n // 2] = np.nan
-    x[4, :] = x[4, 0]  # every value the maximum
-    cases = [(f"5 rows of {n} (ties, -inf, NaN)", mx.array(x))]
+    n, span = (70_001 if quick else 202_048), logits.GROUPS * logits.THREADS
+    ties = [(7, 7 + span), (7, 8 + span), (32, 3 + span), (256, 5 + span)]  # as tests/test_logits.py's TIES
+    x = 4.0 * rng.standard_normal((4 + len(ties), n)).astype(np.float32)
+    x[1, 11] = -np.inf
+    x[2, n // 2] = np.nan
+    x[3, :] = x[3, 0]  # every value the maximum
+    for r, (first, other) in enumerate(ties, start=4):
+        x[r, [other, first]] = 40.0
+    cases = [(f"{len(x)} rows of {n} (ties, -inf, NaN)", mx.array(x))]
     if not quick:
         cases += [("3 rows of 5", randn(rng, 3, 5, scale=4.0)), ("1 row of 300", randn(rng, 1, 300, scale=4.0))]
     for case, v in cases:
@@ -1050,15 +1052,16 @@ def check_logits(rng, quick):
         want = logits.logit_stats_oracle(v, exp=probe("exp"), log=probe("log"))
         compare("logit_stats token", case, got.token, want.token)
         compare("logit_stats finite", case, got.finite, want.finite)
-        live = np.flatnonzero(np.array(want.finite))  # the log-sum-exp of a row with NaN or Inf means nothing
+        xs = np.array(v)
+        live = np.flatnonzero(~np.isnan(xs).any(axis=1))  # a NaN row's log-sum-exp means nothing
         compare("logit_stats lse, device exp/log order", case, got.lse[mx.array(live)], want.lse[mx.array(live)])
-        x64 = np.array(v, np.float64)[live]
+        x64 = xs.astype(np.float64)[live]
         top = x64.max(axis=1, keepdims=True)
         lse64 = (top + np.log(np.exp(x64 - top).sum(axis=1, keepdims=True)))[:, 0]
         compare("logit_stats lse vs float64", case, got.lse[mx.array(live)], mx.array(lse64.astype(np.float32)),
                 exact=False, note="its own order against the float64 sum")
-        first = np.argmax(np.nan_to_num(np.array(v), nan=-np.inf), axis=1)[live]
-        compare("logit_stats token vs numpy argmax", case, got.token[mx.array(live)], mx.array(first.astype(np.uint32)))
+        compare("logit_stats token vs numpy argmax", case, got.token[mx.array(live)],
+                mx.array(np.argmax(xs[live], axis=1).astype(np.uint32)))
 
 
 def transcendental_ulps(rng, quick=False):

@@ -29,6 +29,24 @@ def test_greedy_tokens_are_the_argmax_of_the_full_forward(tiny):
     assert len(got) == 12
 
 
+@pytest.mark.parametrize("eval_logprobs", [True, False])
+def test_each_tokens_logprobs_are_its_logits_normalized(tiny, eval_logprobs):
+    """The log-probabilities generate_step yields, evaluated with the token or left lazy, are the
+    step's logits minus their float64 log-sum-exp, and the greedy token is the logits' argmax."""
+    model, tok = load(tiny("muse-glimmer"))
+    prompt = tok.encode("Hello world")
+    seq, seen = list(prompt), []
+    for t, logprobs in generate_step(mx.array(prompt), model, max_tokens=5, eval_logprobs=eval_logprobs):
+        seen.append((t, logprobs))
+    for t, logprobs in seen:  # read after the loop: a lazy one is still what its step computed
+        full = np.array(model(mx.array([seq]))[0, -1], np.float64)
+        top = full.max()
+        np.testing.assert_allclose(np.array(logprobs, np.float64), full - top - np.log(np.exp(full - top).sum()),
+                                   atol=1e-3)  # the decode path's f16 planes against the full forward's (as above)
+        assert full[t] >= top - 1e-3
+        seq.append(t)
+
+
 def test_greedy_generation_is_deterministic(tiny):
     model, tok = load(tiny("gemma3"))
     a = generate(model, tok, "The quick", max_tokens=16)

@@ -419,6 +419,14 @@ def test_each_kernel_gets_the_prelude_blocks_it_names():
             assert not (names & used) or block in prelude, (k.name, sorted(names & used))
 
 
+METAL_ATTRIBUTES = {
+    "thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+    "threads_per_threadgroup", "threads_per_grid", "threadgroups_per_grid", "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup", "simdgroup_index_in_threadgroup", "threads_per_simdgroup",
+    "simdgroups_per_threadgroup", "thread_execution_width",
+}
+
+
 def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
     """MLX writes the kernel signature around our body; check it for every kernel and template."""
     for i, c in enumerate(record_all_kernels()):
@@ -446,6 +454,10 @@ def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
         for attr in ("threadgroup_position_in_grid", "thread_index_in_simdgroup", "thread_position_in_grid"):
             if attr in kernel.body:
                 assert f"[[{attr}]]" in src, (kernel.name, attr)
+        # ... and a header helper names none: Metal has them only as the kernel's parameters (MLX
+        # declares those the body names), where CUDA's prelude and the emulator make them global
+        helpers = re.sub(r"//[^\n]*|/\*.*?\*/", "", kernel.header, flags=re.S)
+        assert not set(re.findall(r"\w+", helpers)) & METAL_ATTRIBUTES, kernel.name
 
 
 def test_a_kernel_source_holds_only_the_header_helpers_its_body_calls():

@@ -20,17 +20,30 @@ emulator = pytest.mark.skipif(not available(), reason="needs g++ with C++20 (<ba
 SPAN = L.GROUPS * L.THREADS  # values one pass of the first kernel's threads covers
 
 
+# A tied maximum where the merge's incoming state holds the lower index (the first must win), at each
+# level of the merges: two values of one thread; lanes of one SIMD group (lane 0 holds index
+# 8 + SPAN and takes lane 7's state last); SIMD groups of one threadgroup; two threadgroups.
+TIES = [(7, 7 + SPAN), (7, 8 + SPAN), (32, 3 + SPAN), (256, 5 + SPAN)]
+
+
 def rows_with_edges(n: int, rng) -> np.ndarray:
-    """Ordinary rows, a maximum tied across threadgroups (the first index must win), an -inf, a NaN,
-    an Inf, a row of one value, and a row of -inf only."""
-    x = (4.0 * rng.standard_normal((7, n))).astype(np.float32)
-    x[1, [n - 1, 7, min(7 + SPAN, n - 2)]] = 40.0
-    x[2, 3] = -np.inf
-    x[3, n // 2] = np.nan
-    x[4, n // 3] = np.inf
-    x[5, :] = 1.5
-    x[6, :] = -np.inf
+    """Ordinary rows, a maximum tied (where n reaches past one pass: each of TIES, else two values),
+    an -inf, a NaN, an Inf, a row of one value, and a row of -inf only."""
+    ties = [t for t in TIES if t[1] < n] or [(7, n - 1)]
+    x = (4.0 * rng.standard_normal((6 + len(ties), n))).astype(np.float32)
+    x[1, 3] = -np.inf
+    x[2, n // 2] = np.nan
+    x[3, n // 3] = np.inf
+    x[4, :] = 1.5
+    x[5, :] = -np.inf
+    for r, (first, other) in enumerate(ties, start=6):
+        x[r, [other, first]] = 40.0
     return x
+
+
+def sums(x: np.ndarray) -> np.ndarray:
+    """The rows whose log-sum-exp means something: no NaN or +inf, and not -inf only."""
+    return ~np.isnan(x).any(axis=1) & ~np.isposinf(x).any(axis=1) & (x > -np.inf).any(axis=1)
 
 
 def lse64(x: np.ndarray) -> np.ndarray:
@@ -53,9 +66,10 @@ def test_kernels_are_their_order_bit_for_bit(n):
     want = L.logit_stats_oracle(x, exp=libm("expf"), log=libm("logf"))
     assert_bits_equal(got.token, want.token)
     assert_bits_equal(got.finite, want.finite)
-    live = np.flatnonzero(np.array(want.finite))
-    assert live.size >= 2
+    live = np.flatnonzero(sums(np.array(x)))  # the -inf row included
+    assert live.size == x.shape[0] - 3  # all but the NaN, +inf and -inf-only rows
     assert_bits_equal(np.array(got.lse)[live], np.array(want.lse)[live])
+    assert np.array(got.token)[5] == 0 and np.array(got.lse)[5] == -np.inf  # -inf only
 
 
 @pytest.mark.parametrize("n", [5, 300, 70_001, 202_048])
@@ -70,18 +84,23 @@ def test_the_order_and_the_cpu_path_against_float64(n):
     finite = np.isfinite(x).all(axis=1)
     for name, stats in (("oracle", L.logit_stats_oracle(mx.array(x))), ("cpu", L.logit_stats(mx.array(x), which="cpu"))):
         np.testing.assert_array_equal(np.array(stats.finite), finite.astype(np.uint32), err_msg=name)
-        live = np.flatnonzero(finite)
+        live = np.flatnonzero(~np.isnan(x).any(axis=1))  # (a NaN's place is where the two differ)
         np.testing.assert_array_equal(np.array(stats.token)[live], first_argmax(x[live]), err_msg=name)
+        live = np.flatnonzero(sums(x))  # -inf values included: left out of the sum
         err = np.abs(np.array(stats.lse, np.float64)[live] - lse64(x[live]))
         assert err.max() <= 1e-5, (name, err.max())
-    tie = x[1] if n >= 16 else None
-    if tie is not None:  # the tied maximum: the first of its indices, also where the row has other values
-        assert int(L.logit_stats_oracle(mx.array(tie[None])).token[0]) == 7
+    if n >= 16:
+        ties = [t for t in TIES if t[1] < n] or [(7, n - 1)]
+        assert np.array(L.logit_stats_oracle(mx.array(x[6:])).token).tolist() == [first for first, _ in ties]
+        assert np.array(L.logit_stats(mx.array(x[5:6]), which="cpu").lse).tolist() == [-np.inf]  # -inf only
 
 
 def test_a_row_without_any_value_is_an_error():
-    with pytest.raises(ValueError, match="at least one value"):
-        L.logit_stats(mx.zeros((2, 0)))
+    for shape in ((2, 0), (0, 5)):
+        with pytest.raises(ValueError, match="at least one row of at least one value"):
+            L.logit_stats(mx.zeros(shape))
+    with pytest.raises(ValueError, match="at most 65535 rows"):
+        L.logit_stats(mx.zeros((65_536, 1)))
 
 
 def test_the_mode_switch_is_checked(monkeypatch):

@@ -52,10 +52,12 @@ MUSE_FN void logit_simd_merge(thread float& m, thread float& s, thread uint& idx
 }
 
 // the threadgroup's 8 SIMD groups' states merged into thread 0's: each group's root, then group 0
-// merges the 8 roots, padded to 32 with empty states (merging one changes nothing, bit for bit)
-MUSE_FN void logit_group_merge(thread float& m, thread float& s, thread uint& idx, thread uint& bad,
+// merges the 8 roots, padded to 32 with empty states (merging one into a state of finite or -inf
+// maximum changes nothing, bit for bit). tid: the thread's index in the threadgroup (a helper cannot
+// name Metal's thread attributes, which are the kernel's parameters there).
+MUSE_FN void logit_group_merge(thread float& m, thread float& s, thread uint& idx, thread uint& bad, uint tid,
                                MUSE_TG float* tm, MUSE_TG float* ts, MUSE_TG uint* ti, MUSE_TG uint* tb) {
-    const uint lane = thread_index_in_simdgroup, sg = simdgroup_index_in_threadgroup;
+    const uint lane = tid % 32, sg = tid / 32;
     logit_simd_merge(m, s, idx, bad);
     if (lane == 0) {
         tm[sg] = m;
@@ -98,7 +100,7 @@ for (uint i0 = g * LOGIT_THREADS + thread_index_in_threadgroup; i0 < N; i0 += 4 
         }
     }
 }
-logit_group_merge(m, s, idx, bad, tm, ts, ti, tb);
+logit_group_merge(m, s, idx, bad, thread_index_in_threadgroup, tm, ts, ti, tb);
 if (thread_index_in_threadgroup == 0) {
     const uint at = row * G + g;
     part_m[at] = m;
@@ -118,7 +120,7 @@ threadgroup uint tb[8];
 const uint row = threadgroup_position_in_grid.y, at = row * G + thread_index_in_threadgroup;
 float m = part_m[at], s = part_s[at];
 uint idx = part_idx[at], bad = part_bad[at];
-logit_group_merge(m, s, idx, bad, tm, ts, ti, tb);
+logit_group_merge(m, s, idx, bad, thread_index_in_threadgroup, tm, ts, ti, tb);
 if (thread_index_in_threadgroup == 0) {
     token[row] = idx == LOGIT_NONE ? 0u : idx;
     lse[row] = m + log(s);

@@ -29,8 +29,10 @@ from .fp import CPU
 
 F32 = mx.float32
 THREADS = 256  # LOGIT_THREADS in logits.metal: 8 SIMD groups, in both kernels
-GROUPS = 256  # threadgroups a row in the first pass: the second merges their states with THREADS threads
+GROUPS = THREADS  # threadgroups a row in the first pass: the second merges their states, one a thread
 NONE = 0xFFFFFFFF  # LOGIT_NONE: no index yet
+MAX_VALUES = 1 << 31  # values a row: the first pass's 32-bit indices step 4 * 65,536 past the last
+MAX_ROWS = 65_535  # rows are the grid's y axis (CUDA's limit)
 MODES = ("kernel", "mlx")
 
 _PARTIAL = Kernel("logits", "logit_stats_partial", ["logits"], ["part_m", "part_s", "part_idx", "part_bad"])
@@ -41,7 +43,12 @@ KERNELS = (_PARTIAL, _COMBINE)
 
 class LogitStats(NamedTuple):
     """Per row of logits: ``token`` (uint32, the first index of the maximum), ``lse`` (float32,
-    the log-sum-exp) and ``finite`` (uint32, 1 where every value is finite, else 0)."""
+    the log-sum-exp) and ``finite`` (uint32, 1 where every value is finite, else 0).
+
+    Where a row is not finite the others are what the kernels' order makes of it, not MLX's: its
+    argmax skips NaN (MLX's returns a NaN's index), a +inf gives a NaN log-sum-exp (MLX's: +inf);
+    -inf values are left out of the sum, as they should be, and a row of -inf only gives token 0 and
+    -inf. Generation stops on any row that is not finite."""
 
     token: mx.array
     lse: mx.array
@@ -59,11 +66,11 @@ def logits_mode() -> str:
 
 def logit_stats(logits: mx.array, which=None) -> LogitStats:
     """:class:`LogitStats` of each row (the last axis) of ``logits``; leading axes are kept."""
-    if logits.ndim < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits need a last axis of at least one value, got shape {logits.shape}")
+    if logits.ndim < 1 or logits.size == 0:
+        raise ValueError(f"logits need at least one row of at least one value, got shape {logits.shape}")
     n, lead = logits.shape[-1], logits.shape[:-1]
-    if n >= NONE:
-        raise ValueError(f"{n} logits a row do not fit the kernel's 32-bit indices")
+    if n > MAX_VALUES or logits.size // n > MAX_ROWS:
+        raise ValueError(f"logits of shape {logits.shape}: at most {MAX_ROWS} rows of {MAX_VALUES} values")
     which = which or backend()
     if which == "cpu":
         return _cpu_stats(logits)
@@ -71,7 +78,7 @@ def logit_stats(logits: mx.array, which=None) -> LogitStats:
         x = logits.astype(F32)
         return LogitStats(mx.argmax(x, axis=-1), mx.logsumexp(x, axis=-1),
                           mx.isfinite(x).all(axis=-1).astype(mx.uint32))
-    rows = max(1, logits.size // n)
+    rows = logits.size // n
     x = logits.astype(F32)  # rows read in place
     parts = _PARTIAL([x], [(rows * GROUPS,)] * 4, [F32, F32, mx.uint32, mx.uint32],
                      grid=(GROUPS * THREADS, rows, 1), threadgroup=(THREADS, 1, 1),
@@ -90,6 +97,7 @@ def _cpu_stats(logits: mx.array) -> LogitStats:
     with mx.stream(CPU):
         x = logits.astype(F32)
         m = mx.max(x, axis=-1, keepdims=True)
+        m = mx.where(m == -mx.inf, mx.array(0.0, F32), m)  # a row of -inf only: log(0) = -inf, not NaN
         total = mx.sum(mx.exp(x - m).astype(mx.float64), axis=-1)
         lse = (m[..., 0].astype(mx.float64) + mx.log(total)).astype(F32)
         return LogitStats(mx.argmax(x, axis=-1), lse, mx.isfinite(x).all(axis=-1).astype(mx.uint32))
