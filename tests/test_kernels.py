@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 
 from muse_mlx import kernels as K
 from muse_mlx.kernels import attention, ffn, fp, mul_mv, norm_tail, rms_norm
+from muse_mlx.kernels.backend import metal_compact
 from muse_mlx.kernels.backend import Kernel, backend
 from muse_mlx.quantizers import quantize
 from muse_mlx.quants import split_q6_K
@@ -358,9 +359,10 @@ def _tokens(cuda_text: str) -> tuple[list[str], list[str]]:
 
 
 def test_squeezed_sources_keep_every_token():
-    """backend._squeeze drops the whitespace that separates no two tokens from the CUDA text (MLX
-    hashes a kernel's whole source at every launch): for every kernel of the release geometry and
-    the prelude, the preprocessor lines and the token sequence are those of the unsqueezed text."""
+    """backend._squeeze drops the whitespace that separates no two tokens from the CUDA text and the
+    Metal text (MLX reads a kernel's whole source at every launch): for every kernel of the release
+    geometry and the prelude, the preprocessor lines and the token sequence are those of the
+    unsqueezed text."""
     import importlib
 
     B = importlib.import_module("muse_mlx.kernels.backend")  # (the package's `backend` is the function)
@@ -375,6 +377,8 @@ def test_squeezed_sources_keep_every_token():
         if k.name not in seen:
             seen.add(k.name)
             texts += [(unsqueezed(k.body), B.to_cuda(k.body)), (unsqueezed(k.header), B.to_cuda(k.header))]
+            # Metal's: the same compaction without the address-space rewrite
+            texts += [(B._compact(k.body), B.metal_compact(k.body)), (B._compact(k.header), B.metal_compact(k.header))]
     before = after = 0
     for plain, squeezed in texts:
         assert _tokens(squeezed) == _tokens(plain)
@@ -448,8 +452,8 @@ def test_generated_metal_source_of_every_kernel(capfd, tmp_path):
             assert "device " in src and f"* {name} [[buffer(" in src, (kernel.name, name)
         for tname, value in c["template"] or []:
             assert f"int {tname}" in src, (kernel.name, tname)
-        # the body arrives verbatim
-        assert kernel.body.strip().splitlines()[-1].strip() in src
+        # the body arrives compacted (the same tokens: test_squeezed_sources_keep_every_token)
+        assert metal_compact(kernel.body).strip() in src
         # the Metal thread-position names the body uses became kernel attributes
         for attr in ("threadgroup_position_in_grid", "thread_index_in_simdgroup", "thread_position_in_grid"):
             if attr in kernel.body:

@@ -95,6 +95,14 @@ def _squeeze(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def metal_compact(metal_text: str) -> str:
+    """The text Metal gets: :func:`_compact`, then :func:`_squeeze` (the same tokens, so the same
+    program). MLX's Metal backend also reads a custom kernel's whole source at every launch (it
+    compares it with the one its library was built from, or hashes it, by version), and the
+    .metal files' comments make up half of their text."""
+    return _squeeze(_compact(metal_text))
+
+
 def to_cuda(metal_text: str) -> str:
     """The one textual change CUDA needs: Metal's address-space qualifiers (the text compacted, see
     :func:`_compact`, then squeezed: :func:`_squeeze`)."""
@@ -420,9 +428,9 @@ class Kernel:
         key = (which, bounds, cuda_source_mode()) if which == "cuda" else (which, None)
         if key not in self._built:
             if which == "metal":
+                header, source = self.metal_texts()
                 self._built[key] = mx.fast.metal_kernel(
-                    name=self.name, input_names=self.inputs, output_names=self.outputs,
-                    source=self.body, header=METAL_PRELUDE + self.header,
+                    name=self.name, input_names=self.inputs, output_names=self.outputs, source=source, header=header,
                 )
             elif which == "cuda":
                 header, source = self.launch_texts(bounds)
@@ -434,11 +442,16 @@ class Kernel:
                 raise ValueError(f"no GPU kernel for backend {which!r}")
         return self._built[key]
 
+    def metal_texts(self) -> tuple[str, str]:
+        """The (header, body) :meth:`build` hands ``mx.fast.metal_kernel``: the prelude and this
+        kernel's helpers, and its body, each compacted (:func:`metal_compact`)."""
+        return METAL_PRELUDE + metal_compact(self.header), metal_compact(self.body)
+
     def metal_source_preview(self):
         """The Metal builder, usable on any machine inside ``mx.export_function`` (to print the source)."""
+        header, source = self.metal_texts()
         return mx.fast.metal_kernel(
-            name=self.name, input_names=self.inputs, output_names=self.outputs,
-            source=self.body, header=METAL_PRELUDE + self.header,
+            name=self.name, input_names=self.inputs, output_names=self.outputs, source=source, header=header,
         )
 
     def cuda_header(self, bounds: tuple[int, int] | None = None) -> str:
