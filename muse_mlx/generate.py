@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .decode import DecodeStep
 from .errors import MuseError, NumericalError, RequestError
-from .kernels.backend import backend
+from .kernels.backend import backend, cuda_source_mode
 from .kernels.logits import logit_stats, logits_mode
 from .sampling import greedy, make_sampler
 
@@ -70,17 +70,21 @@ _LOGIT_PASSES: dict = {}
 
 
 def _logit_pass():
-    """``logits -> (argmax, logprobs, finite)`` under ``mx.compile``: replayed, the two kernels cost
-    no Python a token (an uncompiled custom kernel's call cost the H200's host about 20 µs more than
-    a compiled one's, by the sixth session's decode rates). One trace per backend and
-    ``MUSE_MLX_LOGITS`` value, so that an in-process A/B of the switch gets both."""
-    key = (backend(), logits_mode())
+    """``logits -> (argmax, logprobs, finite)``, on a GPU under ``mx.compile``: replayed, the two
+    kernels cost no Python a token (an uncompiled custom kernel's call cost the H200's host about
+    20 µs more than a compiled one's, by the sixth session's decode rates). A function per backend,
+    ``MUSE_MLX_LOGITS`` value and CUDA source form, so that an in-process A/B of a switch gets both;
+    MLX traces it again for a new input shape or stream. Without a GPU (or with the oracles forced)
+    it is not compiled, as the decode step is not: MLX's compiled CPU ops need a C++ compiler at run
+    time."""
+    which = backend()
+    key = (which, logits_mode(), cuda_source_mode() if which == "cuda" else None)
     if key not in _LOGIT_PASSES:
         def logit_pass(logits):
             stats = logit_stats(logits)
             return stats.token, logits - stats.lse[..., None], stats.finite
 
-        _LOGIT_PASSES[key] = mx.compile(logit_pass)
+        _LOGIT_PASSES[key] = logit_pass if which == "cpu" else mx.compile(logit_pass)
     return _LOGIT_PASSES[key]
 
 

@@ -206,6 +206,12 @@ class StreamingDetokenizer:
     of one leading space) is the same in both, so the pieces add up to the full decode. (Re-decoding
     everything since the last newline, as before, cost time linear in the line's length, 0.2 ms a
     token at 2,000 tokens, and dropped a SentencePiece token's leading space after each newline.)
+
+    Two limits, shared with the old form: a window only moves when text comes out, so a run of
+    tokens that print nothing (control tokens, bytes of no valid character) costs time in its
+    length; and where SentencePiece's byte tokens spell invalid UTF-8 after a valid start, the full
+    decode replaces the whole run with U+FFFD per byte while the stream has already handed out the
+    valid start.
     """
 
     def __init__(self, tokenizer: Tokenizer):
@@ -231,10 +237,11 @@ class StreamingDetokenizer:
         return new
 
     def finalize(self) -> str:
-        """The rest, incomplete characters included (as the full decode would give them): the
-        stream's end (``reset`` starts another)."""
+        """The rest, incomplete characters included (as the full decode would give them). Tokens
+        added after it continue the same text (``reset`` starts another)."""
         done = self.tokenizer.decode(self.tokens[self._prefix : self._read])
         new = self.tokenizer.decode(self.tokens[self._prefix :])[len(done) :]
-        self._prefix = self._read = len(self.tokens)
+        if new:  # as an emission: more tokens may follow, and continue the same text
+            self._prefix, self._read = self._read, len(self.tokens)
         self.text += new
         return new

@@ -358,6 +358,42 @@ def _tokens(cuda_text: str) -> tuple[list[str], list[str]]:
     return pre, _C_TOKEN.findall("\n".join(code))
 
 
+def _without_comments(text: str) -> str:
+    """``text`` with each ``//`` comment removed, string and character literals read as such: an
+    independent reading of what backend._compact drops (the kernels hold no ``/*`` comments, which it
+    refuses)."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        if text[i] in "\"'":
+            j = i + 1
+            while j < n and text[j] not in (text[i], "\n"):
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _sequence(text: str) -> list:
+    """The C++ tokens of ``text`` with each preprocessor line (and its continuations) in its place
+    among them, as one item of its own tokens: a directive that moved past code shows."""
+    out, directive = [], None
+    for line in text.split("\n"):
+        if directive is not None or line.lstrip().startswith("#"):
+            directive = (directive or []) + _C_TOKEN.findall(line)
+            if not line.rstrip().endswith("\\"):
+                out.append(("#",) + tuple(directive))
+                directive = None
+        else:
+            out.extend(_C_TOKEN.findall(line))
+    return out
+
+
 def test_squeezed_sources_keep_every_token():
     """backend._squeeze drops the whitespace that separates no two tokens from the CUDA text and the
     Metal text (MLX reads a kernel's whole source at every launch): for every kernel of the release
@@ -384,6 +420,17 @@ def test_squeezed_sources_keep_every_token():
         assert _tokens(squeezed) == _tokens(plain)
         before, after = before + len(plain), after + len(squeezed)
     assert after < 0.9 * before  # (and it is worth doing)
+    # the whole compaction (comments dropped too) against an independent reading of the raw texts,
+    # the directives' places among the code kept: what Metal and NVRTC get is what the files say
+    for k in {c["kernel"].name: c["kernel"] for c in record_all_kernels()}.values():
+        for raw in (k.body, k.header):
+            plain = _without_comments(raw)
+            assert _sequence(B.metal_compact(raw)) == _sequence(plain), k.name
+            cuda_plain = B._ADDRESS_SPACE.sub(lambda m: B._CUDA_SPELLING[m.group(1)], plain)
+            assert _sequence(B.to_cuda(raw)) == _sequence(cuda_plain), k.name
+    for bad in ("a = 1; /* b */\n", 'x = "a // b";\n', "// a \\\nint b;\n"):  # what the rule cannot read
+        with pytest.raises(ValueError, match="cannot drop safely"):
+            B.metal_compact(bad)
     # the cases the rules are for: fusing operators, a comment opener, a string's spaces, a macro
     sample = 'x = y / *p - -q;\nasm volatile("cp.async.commit_group;\\n" ::: "memory");\n#define A (b)\nreturn -x;\n'
     assert B._squeeze(sample) == 'x=y/ *p- -q;asm volatile("cp.async.commit_group;\\n" ::: "memory");\n#define A (b)\nreturn-x;\n'

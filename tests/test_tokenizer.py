@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from muse_mlx.gguf_file import GGUFFile
@@ -99,6 +100,26 @@ def test_streaming_detokenizer_equals_full_decode(bpe_path, spm_path, kind, text
     assert "".join(pieces) == tok.decode(ids) == text
     assert all("\ufffd" not in p for p in pieces)  # never a half character
     assert d.text == text
+
+
+@pytest.mark.parametrize("kind", ["bpe", "spm"])
+def test_streaming_detokenizer_on_random_ids(bpe_path, spm_path, kind):
+    """Any ids, not only encodings of text: control tokens (printed as nothing), single bytes of
+    multi-byte characters, space-only pieces; a finalize in the middle continues the same text.
+    (SentencePiece's byte tokens are left out: an invalid UTF-8 run after a valid start is where the
+    stream and the full decode differ, StreamingDetokenizer's docstring.)"""
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path if kind == "bpe" else spm_path))
+    rng = np.random.default_rng(5)
+    ids = [i for i in range(tok.vocab_size) if kind == "bpe" or not tok.tokens[i].startswith("<0x")]
+    for _ in range(300):
+        seq = [int(i) for i in rng.choice(ids, size=int(rng.integers(1, 40)))]
+        d = tok.detokenizer()
+        cut = int(rng.integers(0, len(seq) + 1))
+        pieces = [d.add_token(i) for i in seq[:cut]]
+        if not tok.decode(seq[:cut]).endswith("\ufffd"):  # finalize where the text is whole so far
+            pieces.append(d.finalize())
+        pieces += [d.add_token(i) for i in seq[cut:]] + [d.finalize()]
+        assert "".join(pieces) == tok.decode(seq), seq
 
 
 @pytest.mark.parametrize("kind", ["bpe", "spm"])

@@ -44,7 +44,14 @@ _PADDED_CONTINUATION = re.compile(r"[ \t]+\\\n")  # the padding before a macro's
 def _compact(text: str) -> str:
     """``text`` without comments, indentation, blank lines or padding before line continuations:
     MLX hashes a kernel's whole source on every launch (``CustomKernel::eval_gpu``, MLX 0.32), so
-    the text NVRTC sees is kept short (the .metal and .cuh files keep all of it for readers)."""
+    the text NVRTC sees is kept short (the .metal and .cuh files keep all of it for readers).
+    Raises ValueError on what this line-comment rule would misread: a ``/*`` comment, ``//`` or
+    ``/*`` inside a string or character literal, a ``//`` comment continued by a backslash."""
+    code = _LITERAL.sub("", text)
+    if "/*" in code or any("//" in s or "/*" in s for s in _LITERAL.findall(text)) or \
+            re.search(r"//[^\n]*\\\n", text):
+        raise ValueError("a kernel text holds a /* comment, a comment marker inside a literal, or a "
+                         "// comment continued by a backslash, which backend._compact cannot drop safely")
     text = _INDENT_AND_BLANK_LINES.sub("", _LINE_COMMENT.sub("", text))
     return _PADDED_CONTINUATION.sub("\\\n", text)
 
