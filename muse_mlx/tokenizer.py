@@ -71,7 +71,9 @@ def _spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> lis
 class Tokenizer:
     """``encode(text) -> ids`` and ``decode(ids) -> text`` as llama.cpp does for this file."""
 
-    def __init__(self, backend: HFTokenizer, *, bos_id, eos_ids, add_bos: bool, chat_template, kind: str, tokens):
+    def __init__(self, backend: HFTokenizer, *, bos_id, eos_ids, add_bos: bool, chat_template, kind: str, tokens,
+                 path="tokenizer"):
+        self.path = str(path)  # the file it came from, for errors
         self.backend = backend
         self.bos_id = bos_id
         self.eos_ids = set(eos_ids)
@@ -102,22 +104,42 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the GGUF's chat template (jinja2, sandboxed, HF's whitespace settings)."""
+        """Render the GGUF's chat template (jinja2, sandboxed, HF's whitespace settings).
+
+        A template that does not parse is the file's problem (:class:`ModelConfigError`); one that
+        refuses the messages, as Gemma's refuse a system message, is the request's
+        (:class:`~muse_mlx.errors.RequestError`, with the template's own words)."""
         if not self.chat_template:
-            raise ModelConfigError("tokenizer", "this model has no chat template (tokenizer.chat_template)")
-        from jinja2.exceptions import TemplateError
+            raise ModelConfigError(self.path, "this model has no chat template (tokenizer.chat_template)")
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        from .errors import RequestError
+
+        class Refused(TemplateError):
+            pass
+
         def raise_exception(message):
-            raise TemplateError(message)
+            raise Refused(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+        try:
+            template = env.from_string(self.chat_template)
+        except TemplateSyntaxError as e:
+            raise ModelConfigError(self.path, f"the chat template (tokenizer.chat_template) does not parse: {e}") from None
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except Refused as e:
+            raise RequestError(f"the chat template of {self.path} refuses these messages: {e} "
+                               "(the CLI's --ignore-chat-template sends the prompt as raw text)") from None
+        except Exception as e:  # an error inside the template's own logic
+            raise ModelConfigError(self.path, f"the chat template (tokenizer.chat_template) failed: "
+                                              f"{type(e).__name__}: {e}") from None
 
     def detokenizer(self) -> "StreamingDetokenizer":
         return StreamingDetokenizer(self)
@@ -193,7 +215,7 @@ class Tokenizer:
         eos_ids = [i for i in (eos, eot) if i is not None]
         template = f.get_str("tokenizer.chat_template", None)
         return cls(backend, bos_id=bos, eos_ids=eos_ids, add_bos=add_bos, chat_template=template,
-                   kind=kind, tokens=tokens)
+                   kind=kind, tokens=tokens, path=f.path)
 
 
 class StreamingDetokenizer:

@@ -117,6 +117,21 @@ def test_cli_with_model_and_chat_template(tiny):
     assert "=" * 10 not in r.stdout
 
 
+def test_cli_says_when_the_chat_template_refuses_the_messages(tmp_path):
+    """Gemma's templates refuse a system message: one line naming the file and the template's words."""
+    import dataclasses
+
+    from muse_mlx.vocab import tiny_vocab
+    from muse_mlx.writer import write_tiny
+
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    path = write_tiny(tmp_path / "t.gguf", "gemma2", vocab=dataclasses.replace(tiny_vocab(), chat_template=refusing))
+    r = _cli("--model", str(path), "--prompt", "Hi", "--system-prompt", "Be brief.", "--max-tokens", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{path} refuses these messages: System role not supported" in errors[0]
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--model", "/no/such.gguf"], "/no/such.gguf: no such file"),
     (["--temp", "nan"], "temperature"),

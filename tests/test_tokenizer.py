@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
+from muse_mlx.errors import ModelConfigError, RequestError
 from muse_mlx.gguf_file import GGUFFile
 from muse_mlx.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, Tokenizer
 from muse_mlx.vocab import SAMPLE_TEXT, Vocab, byte_alphabet, tiny_vocab, train_byte_bpe
@@ -74,6 +77,26 @@ def test_control_tokens_in_text_are_specials(bpe_path):
     assert ids[0] == tok.tokens.index("<|user|>") and ids[-1] == tok.tokens.index("<|eot|>")
     assert tok.decode(ids) == "hi"  # control tokens are not printed
     assert tok.decode(ids, skip_special_tokens=False) == "<|user|>hi<|eot|>"
+
+
+def test_chat_template_errors_name_the_file_and_the_problem(bpe_path):
+    """A template that refuses the messages (as Gemma's refuse a system message) is the request's
+    problem, in the template's words; one that does not parse or fails inside is the file's."""
+    tok = Tokenizer.from_gguf(GGUFFile(bpe_path))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    tok.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    with pytest.raises(RequestError, match=f"chat template of {re.escape(str(bpe_path))} refuses these messages: "
+                                           "System role not supported"):
+        tok.apply_chat_template(msgs)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }"
+    with pytest.raises(ModelConfigError, match="does not parse"):
+        tok.apply_chat_template(msgs)
+    tok.chat_template = "{{ messages[0]['content'] + 1 }}"
+    with pytest.raises(ModelConfigError, match="failed: TypeError"):
+        tok.apply_chat_template(msgs)
+    tok.chat_template = ""
+    with pytest.raises(ModelConfigError, match=f"{re.escape(str(bpe_path))}: this model has no chat template"):
+        tok.apply_chat_template(msgs)
 
 
 def test_eos_and_bos_come_from_the_file(bpe_path):
