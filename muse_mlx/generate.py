@@ -314,7 +314,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 is off (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens; 0 is off (default: %(default)s)")
     p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the best probability (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: none)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling, 0 to 2^64-1 (default: none)")
     p.add_argument("--route", default="stock", help="'stock' (MLX's ops) or 'pinned' (reference-order kernels) (default: %(default)s)")
     p.add_argument("--flag", action="append", default=[], dest="flags", metavar="NAME",
                    help="opt-in pinned-route kernel, repeatable: tail_32sg, ffn_4r2s, split_norm_f16, mv_q8, "
@@ -362,6 +362,16 @@ def main(argv=None) -> int:
         return 2
 
 
+def _stdin_text() -> str:
+    """The prompt on standard input, decoded as UTF-8 whatever the locale."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the prompt on standard input is not valid UTF-8: byte 0x{data[e.start]:02x} "
+                           f"at offset {e.start}") from None
+
+
 def _run(args) -> int:
     from .loader import load
     from .routes import make_route
@@ -372,7 +382,7 @@ def _run(args) -> int:
     if args.prefill_step_size < 1:
         raise RequestError(f"--prefill-step-size must be at least 1, got {args.prefill_step_size}")
     route = make_route(args.route, args.flags)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = _stdin_text() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     path = args.model
     if path is None:
         from .demo import default_model
@@ -380,6 +390,8 @@ def _run(args) -> int:
         path, note = default_model()
         print(f"[muse_mlx] no --model given: {path} ({note})", file=sys.stderr)
     if args.seed is not None:
+        if not 0 <= args.seed < 2**64:
+            raise RequestError(f"--seed must be in [0, 2^64), got {args.seed}")
         mx.random.seed(args.seed)
     model, tokenizer = load(path, route=route)
     ids = build_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)

@@ -95,6 +95,12 @@ class Tokenizer:
         return self.tokens[min(self.eos_ids)] if self.eos_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:  # a str from undecodable bytes (argv, a POSIX locale's stdin) holds lone surrogates
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            from .errors import RequestError
+
+            raise RequestError(f"the text is not valid UTF-8: an undecodable byte at character {e.start}") from None
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids

@@ -117,6 +117,14 @@ def test_cli_with_model_and_chat_template(tiny):
     assert "=" * 10 not in r.stdout
 
 
+def test_cli_prompt_on_stdin_must_be_utf8(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "muse_mlx.generate", "--prompt", "-", "--max-tokens", "2"],
+                       input=b"ok \xff\xfe", capture_output=True, timeout=300,
+                       env=dict(os.environ, MUSE_MLX_CACHE=str(tmp_path)))
+    assert r.returncode == 2 and b"Traceback" not in r.stderr
+    assert b"error: the prompt on standard input is not valid UTF-8: byte 0xff at offset 3" in r.stderr
+
+
 def test_cli_says_when_the_chat_template_refuses_the_messages(tmp_path):
     """Gemma's templates refuse a system message: one line naming the file and the template's words."""
     import dataclasses
@@ -139,6 +147,8 @@ def test_cli_says_when_the_chat_template_refuses_the_messages(tmp_path):
     (["--max-tokens", "0"], "max-tokens"),
     (["--route", "warp"], "unknown route"),
     (["--flag", "tail_32sg"], "pinned route"),
+    (["--seed", "-1"], "--seed must be in [0, 2^64), got -1"),
+    (["--prompt", b"\xff abc"], "the text is not valid UTF-8: an undecodable byte at character"),
 ])
 def test_cli_errors_are_one_line_without_traceback(tmp_path, args, msg):
     r = _cli(*args, env_extra={"MUSE_MLX_CACHE": str(tmp_path)})
