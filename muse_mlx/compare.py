@@ -107,6 +107,18 @@ def greedy_tokens(model, tokens: list[int], n: int) -> list[int]:
 KV_DTYPES = {"f16": mx.float16, "f32": mx.float32}
 
 
+def check_tokens(cfg, tokens: list[int], max_tokens: int = 0) -> None:
+    """Raise :class:`RequestError` for an id outside the vocabulary (the embedding's gather does not
+    check its indices: on the CPU an id past the table crashed the process) or a run longer than the
+    model's context."""
+    for at, t in enumerate(tokens):
+        if not 0 <= t < cfg.vocab_size:
+            raise RequestError(f"token id {t} (position {at}) is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    if len(tokens) + max_tokens > cfg.n_ctx_train:
+        raise RequestError(f"{len(tokens)} tokens and {max_tokens} to continue exceed the model's context "
+                           f"({cfg.n_ctx_train})")
+
+
 def run_route(path, spec: str, tokens: list[int], max_tokens: int, trace: bool = False, edit=None,
               kv: str = "f16") -> Run:
     """Load ``path`` on route ``spec`` and run the shared tokens (optionally traced)."""
@@ -114,6 +126,7 @@ def run_route(path, spec: str, tokens: list[int], max_tokens: int, trace: bool =
 
     name, flags = parse_route(spec)
     model = load_model(path, name, flags)
+    check_tokens(model.cfg, tokens, max_tokens)
     model.kv_dtype = KV_DTYPES[kv]
     t0 = time.perf_counter()
     tr = Trace(edit=edit) if (trace or edit) else None
@@ -268,7 +281,10 @@ def report_json(runs, reports, tokens) -> dict:
 
 
 def _read_tokens(path: str) -> list[int]:
-    text = Path(path).read_text()
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise RequestError(f"{path}: cannot read the token ids ({e})") from None
     try:
         data = json.loads(text)
         items = data if isinstance(data, list) else data["tokens"]
@@ -311,6 +327,8 @@ def main(argv=None) -> int:
             from .gguf_file import GGUFFile
             from .tokenizer import Tokenizer
 
+            if args.prompt == "":
+                raise RequestError("the prompt is empty")
             tokens = Tokenizer.from_gguf(GGUFFile(args.model)).encode(args.prompt or DEFAULT_PROMPT)
         if not tokens:
             raise RequestError("no tokens to compare")
@@ -318,7 +336,10 @@ def main(argv=None) -> int:
                                 trace=not args.no_trace, kv=args.kv)
         print_report(runs, reports, tokens, args.model)
         if args.json:
-            Path(args.json).write_text(json.dumps(report_json(runs, reports, tokens), indent=1))
+            try:
+                Path(args.json).write_text(json.dumps(report_json(runs, reports, tokens), indent=1))
+            except OSError as e:
+                raise RequestError(f"--json {args.json}: cannot write the report ({e})") from None
         if args.plot:
             write_plot(reports, args.plot)
     except MuseError as e:

@@ -114,6 +114,10 @@ def generate_step(
     if prefill == "batched-f16" and not model.route.batches_prefill:
         raise RequestError(f"prefill mode batched-f16 needs the pinned route: the {model.route.name} route "
                            "pre-fills with MLX's own ops")
+    history = prompt.tolist()
+    for at, t in enumerate(history):  # (the embedding's gather does not check its indices)
+        if not 0 <= t < model.cfg.vocab_size:
+            raise RequestError(f"token id {t} (position {at}) is outside the vocabulary (0..{model.cfg.vocab_size - 1})")
     sampler = sampler or make_sampler()
     cache = model.make_cache() if cache is None else cache
     # room for the whole run now, so that decoding never reallocates the planes
@@ -124,7 +128,6 @@ def generate_step(
     if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
         decode = DecodeStep(model, cache, capacity, compiled)
 
-    history = prompt.tolist()
 
     def step(y):
         with mx.stream(generation_stream):

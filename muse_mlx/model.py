@@ -276,7 +276,10 @@ class Model(nn.Module):
     def __call__(self, tokens: mx.array, cache: list | None = None, last_only: bool = False,
                  positions=None) -> mx.array:
         """``positions`` (decode only): ``(pos, slots)`` -- the token's position as an int32 [1]
-        array and each layer's cache slot (ints or int32 [1] arrays); by default from the caches."""
+        array and each layer's cache slot (ints or int32 [1] arrays); by default from the caches.
+        The ids are not checked against the vocabulary (that would read them back from the device
+        at every call): the embedding's gather reads past its table for an id out of range, so
+        callers with untrusted ids check them first, as ``generate`` and ``compare`` do."""
         cfg, route = self.cfg, self.route
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")

@@ -90,6 +90,8 @@ def main(argv=None) -> int:
 
         if args.ctx < 2:
             raise RequestError(f"--ctx must be at least 2, got {args.ctx}")
+        if args.max_tokens is not None and args.max_tokens < 2:
+            raise RequestError(f"--max-tokens must be at least 2, got {args.max_tokens}")
         try:
             text = Path(args.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
@@ -98,6 +100,8 @@ def main(argv=None) -> int:
         for spec in [r for r in args.routes.split(",") if r.strip()]:
             name, flags = parse_route(spec)
             model, tok = load(args.model, name, flags)
+            if args.ctx > model.cfg.n_ctx_train:
+                raise RequestError(f"--ctx {args.ctx} is longer than the model's context ({model.cfg.n_ctx_train})")
             if tokens is None:
                 tokens = tok.encode(text)[: args.max_tokens]
                 if len(tokens) < 2:

@@ -87,6 +87,25 @@ def test_cli_rejects_unknown_flags(tiny):
     assert r.returncode == 2 and "unknown flag" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_refuses_bad_token_files_and_paths_in_one_line(tiny, tmp_path, capsys):
+    """An id past the vocabulary used to crash the process (the embedding's gather reads past its
+    table); a missing token file and an unwritable --json were tracebacks."""
+    from muse_mlx.compare import main
+
+    model = str(tiny("qwen3"))
+    (tmp_path / "oob.json").write_text("[1, 2, 99999999]")
+    (tmp_path / "ok.json").write_text(json.dumps(TOKENS))
+    for args, msg in [(["--tokens-file", str(tmp_path / "oob.json")], "token id 99999999 (position 2) is outside the vocabulary"),
+                      (["--tokens-file", str(tmp_path / "none.json")], "cannot read the token ids"),
+                      (["--prompt", ""], "the prompt is empty"),
+                      (["--tokens-file", str(tmp_path / "ok.json"), "--max-tokens", "100000"], "exceed the model's context"),
+                      (["--tokens-file", str(tmp_path / "ok.json"), "--max-tokens", "1", "--no-trace", "--routes", "stock",
+                        "--json", str(tmp_path / "no" / "r.json")], "cannot write the report")]:
+        assert main(["--model", model] + args) == 2, args
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, err)
+
+
 def test_plot(tiny, tmp_path):
     pytest.importorskip("matplotlib")
     from muse_mlx.compare import write_plot

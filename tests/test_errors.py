@@ -189,3 +189,26 @@ def test_loading_needs_far_less_than_twice_the_file(tmp_path, capfd):
             assert peak < held + 2 * max(forms) + (8 << 20), (peak / size, held / size)
         del model
     assert "loading mid.gguf" in capfd.readouterr().err  # the progress bar
+
+
+def test_perplexity_cli_refuses_bad_requests_in_one_line(tiny, tmp_path, capsys):
+    """python -m muse_mlx.perplexity: each bad value is one error line and status 2 (a negative
+    --max-tokens used to score a slice from the end, and a window past the model's context ran)."""
+    from muse_mlx.perplexity import main
+
+    model = str(tiny("qwen3"))
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    (tmp_path / "bad.txt").write_bytes(b"ok \xff")
+    n_ctx = load(model)[0].cfg.n_ctx_train
+    for args, msg in [(["--ctx", "1"], "--ctx must be at least 2"),
+                      (["--max-tokens", "-3"], "--max-tokens must be at least 2, got -3"),
+                      (["--ctx", str(n_ctx + 1)], f"--ctx {n_ctx + 1} is longer than the model's context ({n_ctx})"),
+                      (["--routes", "warp"], "unknown route"),
+                      (["--file", str(tmp_path / "bad.txt")], "cannot read the text")]:
+        argv = ["--model", model, "--file", str(text)] + args
+        assert main(argv) == 2, args
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, err)
+    assert main(["--model", model, "--file", str(text), "--max-tokens", "20"]) == 0
+    assert "20 tokens of" in capsys.readouterr().out

@@ -85,6 +85,14 @@ def test_bad_requests(tiny, kwargs, msg):
         list(stream_generate(model, tok, **args))
 
 
+def test_generate_step_checks_prompt_ids(tiny):
+    """generate_step, the lowest layer, checks ids too: past the vocabulary the embedding's gather
+    would read past its table."""
+    model, _ = load(tiny("muse-glimmer"))
+    with pytest.raises(RequestError, match=r"token id -1 \(position 1\) is outside the vocabulary"):
+        next(generate_step(mx.array([3, -1, 5]), model, max_tokens=2))
+
+
 @pytest.mark.parametrize("temp,top_p,msg", [(-1, 1.0, "temperature"), (float("nan"), 1.0, "temperature"),
                                             (0.5, 0.0, "top-p"), (0.5, 1.5, "top-p")])
 def test_bad_sampling_values(temp, top_p, msg):
