@@ -111,6 +111,10 @@ def generate_step(
         raise RequestError("the prompt must contain at least one token")
     if prefill not in PREFILL_MODES:
         raise RequestError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+    if prefill_step_size < 1:
+        raise RequestError(f"prefill-step-size must be at least 1, got {prefill_step_size}")
+    if max_tokens < 0:
+        raise RequestError(f"max-tokens must be at least 0, got {max_tokens}")
     if prefill == "batched-f16" and not model.route.batches_prefill:
         raise RequestError(f"prefill mode batched-f16 needs the pinned route: the {model.route.name} route "
                            "pre-fills with MLX's own ops")
@@ -221,8 +225,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
     ``prompt`` is text (encoded with the file's BOS rule) or a list of token ids.
     Keyword arguments go to :func:`generate_step` (``sampler``, ``prefill_step_size``, ...).
     """
-    if max_tokens < 1:
-        raise RequestError(f"max-tokens must be at least 1, got {max_tokens}")
+    if max_tokens < 0:
+        raise RequestError(f"max-tokens must be at least 0, got {max_tokens}")
     ids = _prompt_ids(tokenizer, prompt)
     limit = model.cfg.n_ctx_train
     if len(ids) >= limit:

@@ -77,6 +77,7 @@ def test_stream_reports_statistics(tiny):
     (dict(prompt=""), "empty"),
     (dict(max_tokens=0), "max-tokens"),
     (dict(prompt=[10**6]), "outside the vocabulary"),
+    (dict(prefill_step_size=0), "prefill-step-size must be at least 1, got 0"),
 ])
 def test_bad_requests(tiny, kwargs, msg):
     model, tok = load(tiny("muse-glimmer"))
