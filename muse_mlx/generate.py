@@ -225,8 +225,8 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
     ``prompt`` is text (encoded with the file's BOS rule) or a list of token ids.
     Keyword arguments go to :func:`generate_step` (``sampler``, ``prefill_step_size``, ...).
     """
-    if max_tokens < 0:
-        raise RequestError(f"max-tokens must be at least 0, got {max_tokens}")
+    if max_tokens < 1:
+        raise RequestError(f"max-tokens must be at least 1, got {max_tokens}")
     ids = _prompt_ids(tokenizer, prompt)
     limit = model.cfg.n_ctx_train
     if len(ids) >= limit:
