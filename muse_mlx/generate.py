@@ -56,8 +56,8 @@ PREFILL_MODES = {"batched": (mx.float32, 1), "batched-f16": (mx.float16, 1), "ex
 def next_token(logits: mx.array, sampler=greedy) -> tuple[mx.array, mx.array, mx.array]:
     """``(token [B], logprobs [B, V], finite [B])`` of logits ``[B, V]``: what generation reads from
     a decoded token's logits. Their argmax, log-sum-exp and finite check come from one pass
-    (:func:`~muse_mlx.kernels.logits.logit_stats`: two launches on a GPU, where MLX's argmax,
-    logsumexp, isfinite and all took five); :func:`~muse_mlx.sampling.greedy` takes its token
+    (:func:`~muse_mlx.kernels.logits.logit_stats`: two launches on a GPU, where MLX's logsumexp,
+    subtraction, argmax, isfinite and all took five); :func:`~muse_mlx.sampling.greedy` takes its token
     from there (the argmax of the logits), any other sampler draws from ``logprobs``. ``finite``
     is 1 where every logit is finite; ``logprobs`` is lazy. A sampler other than ``greedy`` itself
     (a wrapped or compiled one too) draws from ``logprobs``: its argmax may then differ from the
