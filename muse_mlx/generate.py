@@ -78,7 +78,7 @@ def _logit_pass():
     it is not compiled, as the decode step is not: MLX's compiled CPU ops need a C++ compiler at run
     time."""
     which = backend()
-    key = (which, logits_mode(), cuda_source_mode() if which == "cuda" else None)
+    key = (which, logits_mode(which), cuda_source_mode() if which == "cuda" else None)
     if key not in _LOGIT_PASSES:
         def logit_pass(logits):
             stats = logit_stats(logits)

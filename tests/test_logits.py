@@ -104,6 +104,12 @@ def test_a_row_without_any_value_is_an_error():
 
 
 def test_the_mode_switch_is_checked(monkeypatch):
+    """The kernels by default, except on Metal until a Mac has run them (every route's generation
+    reads its logits through them); the switch overrides, and a bad value names itself."""
+    monkeypatch.delenv("MUSE_MLX_LOGITS", raising=False)
+    assert [L.logits_mode(w) for w in ("cuda", "metal", "emulate")] == ["kernel", "mlx", "kernel"]
+    monkeypatch.setenv("MUSE_MLX_LOGITS", "kernel")
+    assert L.logits_mode("metal") == "kernel"
     monkeypatch.setenv("MUSE_MLX_LOGITS", "fast")
     with pytest.raises(ValueError, match="MUSE_MLX_LOGITS='fast'"):
         L.logits_mode()

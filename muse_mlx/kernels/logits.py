@@ -13,7 +13,8 @@ an online sum of ``exp(v - m)`` over its values, then trees of merges; ``logits.
 on every GPU, and :func:`logit_stats_oracle` performs that order on the CPU for the tests. Without
 a GPU the function is MLX's argmax and isfinite and a float64 sum (:func:`_cpu_stats`): the same
 token and flag, the log-sum-exp within rounding of the kernel's (a GPU's ``exp`` is not the CPU's
-either way). ``MUSE_MLX_LOGITS=mlx`` gives MLX's own five ops on a GPU too, to compare.
+either way). ``MUSE_MLX_LOGITS=mlx`` gives MLX's own ops on a GPU too, to compare; on Metal they are
+the default until the kernels have run on a Mac (:func:`logits_mode`).
 """
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ class LogitStats(NamedTuple):
     finite: mx.array
 
 
-def logits_mode() -> str:
-    """``MUSE_MLX_LOGITS``: ``kernel`` (default: :func:`logit_stats`'s two launches on a GPU) or
-    ``mlx`` (MLX's argmax, logsumexp and isfinite everywhere, for comparison)."""
-    mode = os.environ.get("MUSE_MLX_LOGITS", "kernel").lower()
+def logits_mode(which: str | None = None) -> str:
+    """``MUSE_MLX_LOGITS``: ``kernel`` (:func:`logit_stats`'s two launches) or ``mlx`` (MLX's argmax,
+    logsumexp and isfinite). Default: the kernels, except on Metal (backend ``which``), where they
+    have not been compiled yet and every route's generation, the stock one too, would depend on
+    them: Metal keeps MLX's ops until a Mac has run ``scripts/gpu_check.py --only logits``."""
+    default = "mlx" if (which or backend()) == "metal" else "kernel"
+    mode = (os.environ.get("MUSE_MLX_LOGITS") or default).lower()
     if mode not in MODES:
         raise ValueError(f"MUSE_MLX_LOGITS={mode!r}: expected one of {', '.join(MODES)}")
     return mode
@@ -74,7 +78,7 @@ def logit_stats(logits: mx.array, which=None) -> LogitStats:
     which = which or backend()
     if which == "cpu":
         return _cpu_stats(logits)
-    if logits_mode() == "mlx":
+    if logits_mode(which) == "mlx":
         x = logits.astype(F32)
         return LogitStats(mx.argmax(x, axis=-1), mx.logsumexp(x, axis=-1),
                           mx.isfinite(x).all(axis=-1).astype(mx.uint32))
