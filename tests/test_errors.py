@@ -212,3 +212,18 @@ def test_perplexity_cli_refuses_bad_requests_in_one_line(tiny, tmp_path, capsys)
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, err)
     assert main(["--model", model, "--file", str(text), "--max-tokens", "20"]) == 0
     assert "20 tokens of" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("route", ["stock", "pinned"])
+def test_an_id_outside_the_vocabulary_gives_nan_logits_not_a_crash(tiny, route):
+    """model(ids) does not read the ids back; an id past the table reads row 0 and makes its row NaN
+    (it used to read past the table: a crash on the CPU). Valid ids keep their bits."""
+    import mlx.core as mx
+
+    model, _ = load(tiny("muse-glimmer"), route=route)
+    V = model.cfg.vocab_size
+    ids = mx.array([[3, 5, 7]])
+    assert np.array_equal(np.array(model.embed(ids, guard=True)), np.array(model.embed(ids)))
+    for bad in (V, -1, 10**6):
+        logits = np.array(model(mx.array([[3, bad, 7]])))
+        assert np.isnan(logits).all(), bad  # the row's NaN reaches every position through attention's sums
