@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import MuseError, RequestError, RouteError
+from .generate import check_token_ids
 from .trace import Trace
 
 CONTRACT = 1e-4  # max |Δ logit| and max |Δ normalized logprob|
@@ -108,12 +109,9 @@ KV_DTYPES = {"f16": mx.float16, "f32": mx.float32}
 
 
 def check_tokens(cfg, tokens: list[int], max_tokens: int = 0) -> None:
-    """Raise :class:`RequestError` for an id outside the vocabulary (the embedding's gather does not
-    check its indices: on the CPU an id past the table crashed the process) or a run longer than the
-    model's context."""
-    for at, t in enumerate(tokens):
-        if not 0 <= t < cfg.vocab_size:
-            raise RequestError(f"token id {t} (position {at}) is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    """Raise :class:`RequestError` for an id outside the vocabulary (``generate.check_token_ids``) or
+    a run longer than the model's context."""
+    check_token_ids(cfg, tokens)
     if len(tokens) + max_tokens > cfg.n_ctx_train:
         raise RequestError(f"{len(tokens)} tokens and {max_tokens} to continue exceed the model's context "
                            f"({cfg.n_ctx_train})")

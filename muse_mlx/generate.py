@@ -88,6 +88,14 @@ def _logit_pass():
     return _LOGIT_PASSES[key]
 
 
+def check_token_ids(cfg, ids) -> None:
+    """Raise :class:`RequestError` for an id outside the vocabulary: the embedding's gather does not
+    check its indices (past the table it reads other memory; on the CPU that crashed the process)."""
+    for at, t in enumerate(ids):
+        if not 0 <= t < cfg.vocab_size:
+            raise RequestError(f"token id {t} (position {at}) is outside the vocabulary (0..{cfg.vocab_size - 1})")
+
+
 def generate_step(
     prompt: mx.array, model, *, max_tokens: int = DEFAULT_MAX_TOKENS, sampler=None,
     prefill_step_size: int = DEFAULT_PREFILL_STEP, cache=None, prefill_callback=None,
@@ -119,9 +127,7 @@ def generate_step(
         raise RequestError(f"prefill mode batched-f16 needs the pinned route: the {model.route.name} route "
                            "pre-fills with MLX's own ops")
     history = prompt.tolist()
-    for at, t in enumerate(history):  # (the embedding's gather does not check its indices)
-        if not 0 <= t < model.cfg.vocab_size:
-            raise RequestError(f"token id {t} (position {at}) is outside the vocabulary (0..{model.cfg.vocab_size - 1})")
+    check_token_ids(model.cfg, history)
     sampler = sampler or make_sampler()
     cache = model.make_cache() if cache is None else cache
     # room for the whole run now, so that decoding never reallocates the planes
@@ -131,7 +137,6 @@ def generate_step(
     decode = None
     if model.uses_decode_path(mx.zeros((1, 1), dtype=mx.int32), cache):
         decode = DecodeStep(model, cache, capacity, compiled)
-
 
     def step(y):
         with mx.stream(generation_stream):
@@ -231,10 +236,7 @@ def stream_generate(model, tokenizer, prompt, max_tokens: int = DEFAULT_MAX_TOKE
     limit = model.cfg.n_ctx_train
     if len(ids) >= limit:
         raise RequestError(f"the prompt has {len(ids)} tokens; the model's context is {limit}")
-    max_tokens = min(max_tokens, limit - len(ids))
-    for t in ids:
-        if not 0 <= t < model.cfg.vocab_size:
-            raise RequestError(f"token id {t} is outside the vocabulary (0..{model.cfg.vocab_size - 1})")
+    max_tokens = min(max_tokens, limit - len(ids))  # (generate_step checks the ids)
     detok = tokenizer.detokenizer()
     mx.reset_peak_memory()
     tic = time.perf_counter()

@@ -20,7 +20,7 @@ import json
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from .errors import ModelConfigError
+from .errors import ModelConfigError, RequestError
 from .gguf_file import GGUFFile
 
 # llama.cpp's pre-tokenizer regexes (llm_tokenizer_bpe), by `tokenizer.ggml.pre`.
@@ -98,8 +98,6 @@ class Tokenizer:
         try:  # a str from undecodable bytes (argv, a POSIX locale's stdin) holds lone surrogates
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            from .errors import RequestError
-
             raise RequestError(f"the text is not valid UTF-8: an undecodable byte at character {e.start}") from None
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos and self.bos_id is not None:
@@ -119,8 +117,6 @@ class Tokenizer:
             raise ModelConfigError(self.path, "this model has no chat template (tokenizer.chat_template)")
         from jinja2.exceptions import TemplateError, TemplateSyntaxError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        from .errors import RequestError
 
         class Refused(TemplateError):
             pass
