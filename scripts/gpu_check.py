@@ -955,7 +955,7 @@ def check_q8_ahead(rng, quick):
 
 
 def check_q8_tiles(rng, quick):
-    """The q8 GLU's weights in tiles of rows (MUSE_MLX_Q8_TILE, opt-in; quants.tile_q4_K_rows): the
+    """The q8 GLU's weights in tiles of rows (MUSE_MLX_Q8_TILE, 16 by default on CUDA; quants.tile_q4_K_rows): the
     q8 GLU with its q8 output (plain and a round ahead) and the all-Q4_K q8 calls on tiled rows bit
     for bit what they give on the raw rows; the batched prefill's dequantization of tiled rows (f32,
     f16) the raw rows'; then a tiny model (rows of two blocks) with mv_q8 + mv_q8_q6k loaded with
@@ -972,10 +972,10 @@ def check_q8_tiles(rng, quick):
     for ahead in ("0", "all"):
         with env("MUSE_MLX_Q8_AHEAD", ahead):
             plain = gpu(K.mul_mv_q8, x, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True)
-            for tile in (16, 64):
+            for tile in (16, 64, 256):
                 tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
                 out = gpu(K.mul_mv_q8, x, tiled, glu="silu", q8_out=True, tile=tile)
-                compare_q8_glu("q8 GLU on tiled rows:", "opt-in MUSE_MLX_Q8_TILE",
+                compare_q8_glu("q8 GLU on tiled rows:", "MUSE_MLX_Q8_TILE",
                                f"{glu_shape} silu, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}", out, plain)
     for name, y, mats in calls:
         q8 = gpu(mul_mv.quantize_q8_rows, y)
@@ -984,12 +984,12 @@ def check_q8_tiles(rng, quick):
                 plain = gpu(K.mul_mv_q8, y, [(w, "q4_K") for w in mats], q8=q8)
                 for tile in (4, 16):
                     out = gpu(K.mul_mv_q8, y, [(tile_q4_K_rows(w, tile), "q4_K") for w in mats], q8=q8, tile=tile)
-                    compare("q8 call on tiled rows (opt-in MUSE_MLX_Q8_TILE)",
+                    compare("q8 call on tiled rows (MUSE_MLX_Q8_TILE)",
                             f"{name}, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}", out, plain)
     for dtype in (mx.float32, mx.float16):
         want = gpu(K.dequantize_rows, gate, "q4_K", dtype)
         got = gpu(K.dequantize_rows, tile_q4_K_rows(gate, 16), "q4_K", dtype, tile=16)
-        compare(f"dequant_{'f32' if dtype == mx.float32 else 'f16'} of tiled rows (opt-in MUSE_MLX_Q8_TILE)",
+        compare(f"dequant_{'f32' if dtype == mx.float32 else 'f16'} of tiled rows (MUSE_MLX_Q8_TILE)",
                 f"{glu_shape}, tiles of 16", got.astype(mx.float32), want.astype(mx.float32))
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny(Path(tmp) / "tiny.gguf", "muse-glimmer",
@@ -1005,7 +1005,7 @@ def check_q8_tiles(rng, quick):
             step = DecodeStep(model, cache, 64, compiled=WHICH != "cpu")  # (the oracles do not compile)
             outs.append(mx.concatenate([first[None], mx.stack([step(mx.array([t])) for t in tokens[8:]])]))
             mx.eval(outs[-1])
-    compare("batched prefill + decode step, GLU weights in tiles of 16 == raw rows (opt-in MUSE_MLX_Q8_TILE)",
+    compare("batched prefill + decode step, GLU weights in tiles of 16 == raw rows (MUSE_MLX_Q8_TILE)",
             "tiny muse-glimmer 512 wide, 8 + 16 tokens", outs[0], outs[1])
 
 

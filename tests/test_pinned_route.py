@@ -641,6 +641,7 @@ def test_q8_glu_weights_in_tiles_give_the_same_logits(tiny, monkeypatch):
         outs += [np.array(model(mx.array([[t]]), cache)[0]) for t in (7, 300)]
         return [o.view(np.uint32) for o in outs]
 
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "1")  # raw rows on every backend (CUDA's default tiles them)
     raw = run(load_model(path, "pinned", flags))
     monkeypatch.setenv("MUSE_MLX_Q8_TILE", "16")
     model = load_model(path, "pinned", flags)
@@ -677,6 +678,20 @@ def test_q8_glu_weights_in_tiles_give_the_same_logits(tiny, monkeypatch):
     # with the legacy fused FFN, whose kernel reads raw rows (and takes the GLU before mv_q8 does)
     model.set_flags(flags + ["ffn_4r2s"])
     assert all(m.form == "blocks" for n, m in model.named_modules() if n in glu)
+
+
+def test_q8_tile_default_per_backend(monkeypatch):
+    """Unset, MUSE_MLX_Q8_TILE is the backend's entry of mul_mv.Q8_TILE (CUDA tiles, the rest keep
+    raw rows until timed there); set, it wins on every backend."""
+    from muse_mlx.kernels import mul_mv
+
+    monkeypatch.delenv("MUSE_MLX_Q8_TILE", raising=False)
+    assert mul_mv.q8_tile("cuda") == mul_mv.Q8_TILE["cuda"] > 1
+    assert mul_mv.q8_tile("metal") == mul_mv.q8_tile("cpu") == 1
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "1")
+    assert mul_mv.q8_tile("cuda") == 1
+    monkeypatch.setenv("MUSE_MLX_Q8_TILE", "64")
+    assert mul_mv.q8_tile("cpu") == 64
 
 
 def test_a_lone_tiled_glu_weight_gets_its_raw_rows_back(tmp_path, monkeypatch):

@@ -880,13 +880,21 @@ def q8_ahead(glu: bool) -> bool:
     return mode == "all" or (mode == "glu" and glu)
 
 
-def q8_tile() -> int:
+# Rows a tile of the q8 GLU's gate and up matrices, per backend (1: raw rows). On the H200 the GLU
+# takes 42.0-42.4 us a call in tiles against 46.2-46.5 on raw rows, the q8 route's token 0.2 ms
+# less (thirty-first session, docs/performance.md); not yet timed on a Mac.
+Q8_TILE = {"cuda": 16}
+
+
+def q8_tile(which: str | None = None) -> int:
     """Rows a tile of the q8 GLU's gate and up matrices (``quants.tile_q4_K_rows``: each SIMD
-    group's rows of a block one run of bytes; the same bits): ``MUSE_MLX_Q8_TILE=<rows>``, 1 (the
-    default: raw rows) or more. Read where a weight's form is made (at load, Model.set_flags).
-    Prepared in the twenty-ninth session, not yet timed on a GPU: ``bench.py --parts tiles`` times
-    the kernels, ``--env-ab MUSE_MLX_Q8_TILE=1,16`` the route's decode (re-forming the weights)."""
-    text = os.environ.get("MUSE_MLX_Q8_TILE", "1")
+    group's rows of a block one run of bytes; the same bits) on this backend (:data:`Q8_TILE`):
+    ``MUSE_MLX_Q8_TILE=<rows>`` overrides it, 1 for raw rows. Read where a weight's form is made
+    (at load, Model.set_flags). ``bench.py --parts tiles`` times the kernels, ``--env-ab
+    MUSE_MLX_Q8_TILE=1,16`` the route's decode (re-forming the weights)."""
+    text = os.environ.get("MUSE_MLX_Q8_TILE")
+    if text is None:
+        return Q8_TILE.get(which or backend(), 1)
     if not text.isdigit() or int(text) < 1:
         raise ValueError(f"MUSE_MLX_Q8_TILE={text!r}: expected a number of rows, 1 (raw rows) or more")
     return int(text)
