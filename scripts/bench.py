@@ -318,8 +318,7 @@ TILE_SHAPES = {"glu": (1, 16, 64, 256, 0), "few": (1, 4, 16, 64)}
 def tiles_table(g, reps: int, rng) -> list[dict]:
     """The q8 route's all-Q4_K calls on rows in tiles (``quants.tile_q4_K_rows``; the route holds
     its GLUs' weights so with ``MUSE_MLX_Q8_TILE``): each call on raw rows and on the same blocks in
-    tiles, plain and a round ahead
-    (``MUSE_MLX_Q8_AHEAD``), with the activations quantized beforehand as the route hands them over;
+    tiles, with the activations quantized beforehand as the route hands them over;
     every tiled output checked bit for bit against the raw rows' (a mismatch stops the run). Two
     sweeps, alternating, so that drift shows."""
     from muse_mlx.quants import tile_q4_K_rows
@@ -347,26 +346,20 @@ def tiles_table(g, reps: int, rng) -> list[dict]:
                               q8=q8 if qq is None else qq, tile=t, **kw)
             return out[0] if glu else out
 
-        for ahead in ("0", "all"):
-            with env("MUSE_MLX_Q8_AHEAD", ahead):
-                want = np.array(call(1)).view(np.uint32)
-                for t in tiles[1:]:
-                    got = np.array(call(t)).view(np.uint32)
-                    if not np.array_equal(got, want):
-                        raise SystemExit(f"bench: {label} in tiles of {t} (MUSE_MLX_Q8_AHEAD={ahead}) differs from "
-                                         f"its raw rows in {int((got != want).sum())} of {want.size} outputs")
+        want = np.array(call(1)).view(np.uint32)
+        for t in tiles[1:]:
+            got = np.array(call(t)).view(np.uint32)
+            if not np.array_equal(got, want):
+                raise SystemExit(f"bench: {label} in tiles of {t} differs from its raw rows in "
+                                 f"{int((got != want).sum())} of {want.size} outputs")
         # distinct quantized activations per call (so that nothing is merged), as flat arguments
         flat = [a for _ in range(reps) for a in K.mul_mv.quantize_q8_rows(mx.random.normal((1, width)))]
         line = []
         for sweep in range(2):
-            for ahead in ("0", "all"):
-                for t in tiles:
-                    with env("MUSE_MLX_Q8_AHEAD", ahead):
-                        tt = time_calls(lambda *a, t=t: [call(t, y, (a[i], a[i + 1])) for i in range(0, len(a), 2)],
-                                        flat, reps)
-                    rows.append(dict(label=label, tile=t, ahead=ahead, sweep=sweep, us=tt * 1e6,
-                                     gbps=nbytes / tt / 1e9))
-                    line.append(f"ahead={ahead} tile {t}: {tt * 1e6:.1f} us {nbytes / tt / 1e9:.0f}")
+            for t in tiles:
+                tt = time_calls(lambda *a, t=t: [call(t, y, (a[i], a[i + 1])) for i in range(0, len(a), 2)], flat, reps)
+                rows.append(dict(label=label, tile=t, sweep=sweep, us=tt * 1e6, gbps=nbytes / tt / 1e9))
+                line.append(f"sweep {sweep} tile {t}: {tt * 1e6:.1f} us {nbytes / tt / 1e9:.0f}")
         log(f"  {label} (every tiled output bit for bit the raw rows'):\n    " + "\n    ".join(line) + "  (GB/s)")
         mats = forms = None
         mx.clear_cache()
@@ -721,7 +714,7 @@ def main(argv=None) -> int:
         report["q8"] = q8_table(g, vocab, args.kernel_reps, rng)
         mx.clear_cache()
     if "tiles" in parts:
-        log("the q8 route's Q4_K calls on rows in tiles (quants.tile_q4_K_rows), plain and a round ahead:")
+        log("the q8 route's Q4_K calls on rows in tiles (quants.tile_q4_K_rows):")
         report["tiles"] = tiles_table(g, args.kernel_reps, rng)
         mx.clear_cache()
     if "logits" in parts:

@@ -921,42 +921,9 @@ def compare_q8_glu(kernel: str, note: str, case: str, got, want):
     compare(f"{kernel} int8 words ({note})", case, mx.view(qy, mx.float32), mx.view(w_qy, mx.float32))
 
 
-def check_q8_ahead(rng, quick):
-    """The q8 calls with their activations in threadgroup memory and their weights a round ahead
-    (MUSE_MLX_Q8_AHEAD, opt-in): the GLU writing its q8 (mul_mv_q8_glu_ahead: its output, words and
-    scales) and the all-Q4_K calls (mul_mv_q8_pre_q4K_ahead: q|k|v|gate, attn_output, ffn_down) bit
-    for bit the plain kernels', on the release shapes at their classes' geometries and at one other
-    each; then a tiny model's compiled decode with mv_q8 + mv_q8_q6k, with it on (all) and off."""
-    glu_shape, x, pair, calls = q8_release_calls(rng, quick)
-    glu = [(w, "q4_K") for w in pair]
-    for geometry in (None, "2x2x4x1"):
-        with env("MUSE_MLX_Q8_PRE_GEOMETRY", geometry):
-            label = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH)))
-            with env("MUSE_MLX_Q8_AHEAD", "0"):
-                plain = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
-            with env("MUSE_MLX_Q8_AHEAD", "glu"):
-                out = gpu(K.mul_mv_q8, x, glu, glu="silu", q8_out=True)
-        compare_q8_glu("mul_mv_q8_glu_ahead", "opt-in mv_q8_q6k", f"{glu_shape} silu at {label}", out, plain)
-    calls = [(name, y, [(w, "q4_K") for w in mats]) for name, y, mats in calls]
-    for name, y, mats in calls:
-        q8 = gpu(mul_mv.quantize_q8_rows, y)
-        call = mul_mv.q8_call(sum(w.shape[0] for w, _ in mats), False)
-        for geometry in (None, "2x4x32x1"):
-            with env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", geometry):
-                label = "x".join(map(str, mul_mv.q8_pre_geometry(WHICH, call)))
-                with env("MUSE_MLX_Q8_AHEAD", "0"):
-                    plain = gpu(K.mul_mv_q8, y, mats, q8=q8)
-                with env("MUSE_MLX_Q8_AHEAD", "all"):
-                    out = gpu(K.mul_mv_q8, y, mats, q8=q8)
-            compare("mul_mv_q8_pre_q4K_ahead (opt-in mv_q8)", f"{name} at {label}", out, plain)
-    on, off = decode_ab(rng, "MUSE_MLX_Q8_AHEAD", "0", "all", ["mv_q8", "mv_q8_q6k"])
-    compare("decode step, q8 calls a round ahead on == off (opt-in mv_q8 + mv_q8_q6k)", "tiny muse-glimmer, 16 tokens",
-            on, off)
-
-
 def check_q8_tiles(rng, quick):
     """The q8 GLU's weights in tiles of rows (MUSE_MLX_Q8_TILE, 16 by default on CUDA; quants.tile_q4_K_rows): the
-    q8 GLU with its q8 output (plain and a round ahead) and the all-Q4_K q8 calls on tiled rows bit
+    q8 GLU with its q8 output and the all-Q4_K q8 calls on tiled rows bit
     for bit what they give on the raw rows; the batched prefill's dequantization of tiled rows (f32,
     f16) the raw rows'; then a tiny model (rows of two blocks) with mv_q8 + mv_q8_q6k loaded with
     tiles of 16 and without: a batched prefill's and a compiled decode's logits."""
@@ -969,23 +936,17 @@ def check_q8_tiles(rng, quick):
     from muse_mlx.writer import Geometry, write_tiny
 
     glu_shape, x, (gate, up), calls = q8_release_calls(rng, quick)
-    for ahead in ("0", "all"):
-        with env("MUSE_MLX_Q8_AHEAD", ahead):
-            plain = gpu(K.mul_mv_q8, x, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True)
-            for tile in (16, 64, 256):
-                tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
-                out = gpu(K.mul_mv_q8, x, tiled, glu="silu", q8_out=True, tile=tile)
-                compare_q8_glu("q8 GLU on tiled rows:", "MUSE_MLX_Q8_TILE",
-                               f"{glu_shape} silu, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}", out, plain)
+    plain = gpu(K.mul_mv_q8, x, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True)
+    for tile in (16, 64, 256):
+        tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
+        out = gpu(K.mul_mv_q8, x, tiled, glu="silu", q8_out=True, tile=tile)
+        compare_q8_glu("q8 GLU on tiled rows:", "MUSE_MLX_Q8_TILE", f"{glu_shape} silu, tiles of {tile}", out, plain)
     for name, y, mats in calls:
         q8 = gpu(mul_mv.quantize_q8_rows, y)
-        for ahead in ("0", "all"):
-            with env("MUSE_MLX_Q8_AHEAD", ahead):
-                plain = gpu(K.mul_mv_q8, y, [(w, "q4_K") for w in mats], q8=q8)
-                for tile in (4, 16):
-                    out = gpu(K.mul_mv_q8, y, [(tile_q4_K_rows(w, tile), "q4_K") for w in mats], q8=q8, tile=tile)
-                    compare("q8 call on tiled rows (MUSE_MLX_Q8_TILE)",
-                            f"{name}, tiles of {tile}, MUSE_MLX_Q8_AHEAD={ahead}", out, plain)
+        plain = gpu(K.mul_mv_q8, y, [(w, "q4_K") for w in mats], q8=q8)
+        for tile in (4, 16):
+            out = gpu(K.mul_mv_q8, y, [(tile_q4_K_rows(w, tile), "q4_K") for w in mats], q8=q8, tile=tile)
+            compare("q8 call on tiled rows (MUSE_MLX_Q8_TILE)", f"{name}, tiles of {tile}", out, plain)
     for dtype in (mx.float32, mx.float16):
         want = gpu(K.dequantize_rows, gate, "q4_K", dtype)
         got = gpu(K.dequantize_rows, tile_q4_K_rows(gate, 16), "q4_K", dtype, tile=16)
@@ -1085,7 +1046,7 @@ SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
-                q8_ahead=check_q8_ahead, q8_tiles=check_q8_tiles, logits=check_logits,
+                q8_tiles=check_q8_tiles, logits=check_logits,
                 transcendentals=transcendental_ulps)
 
 

@@ -431,26 +431,12 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q6s(KVW, D), "q6_K_split"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too", K.mul_mv_q8, y_d,
                 [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
-            with env("MUSE_MLX_Q8_AHEAD", "all"):  # the opt-in forms a round ahead
-                rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too, a round ahead", K.mul_mv_q8, y_d,
-                    [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True)
-                q8_d, q8_ff = mul_mv.quantize_q8_rows(y_d, which="cpu"), mul_mv.quantize_q8_rows(y_ff, which="cpu")
-                rec(f"q8 q|k|v|gate {QW}+{KVW}+{KVW}+{QW}, a round ahead", K.mul_mv_q8, y_d,
-                    [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")], q8=q8_d)
-                rec(f"q8 ffn_down {D}x{FF}, a round ahead", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")], q8=q8_ff)
-                y_o = mx.zeros((1, QW))
-                rec(f"q8 attn_output {D}x{QW}, a round ahead", K.mul_mv_q8, y_o, [(q4(D, QW), "q4_K")],
-                    q8=mul_mv.quantize_q8_rows(y_o, which="cpu"))
             # the Q4_K rows in tiles (quants.tile_q4_K_rows; bench.py --parts tiles times them): the GLU at a
             # SIMD group's 16 rows, the all-Q4_K calls at their 4
-            for ahead in ("0", "all"):
-                with env("MUSE_MLX_Q8_AHEAD", ahead):
-                    rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too, rows in tiles of 16"
-                        + (", a round ahead" if ahead == "all" else ""), K.mul_mv_q8, y_d,
-                        [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True, tile=16)
-                    rec(f"q8 ffn_down {D}x{FF}, rows in tiles of 4" + (", a round ahead" if ahead == "all" else ""),
-                        K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")], q8=mul_mv.quantize_q8_rows(y_ff, which="cpu"),
-                        tile=4)
+            rec(f"q8 ffn_gate+up {FF}x{D} silu, output quantized too, rows in tiles of 16", K.mul_mv_q8, y_d,
+                [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")], glu="silu", q8_out=True, tile=16)
+            rec(f"q8 ffn_down {D}x{FF}, rows in tiles of 4", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")],
+                q8=mul_mv.quantize_q8_rows(y_ff, which="cpu"), tile=4)
         with env("MUSE_MLX_Q8_PRE_GEOMETRY", g or cuda_class["glu"]), env("MUSE_MLX_Q8_PRE_GEOMETRY_FEW", g or cuda_class["few"]), \
                 env("MUSE_MLX_Q8_PRE", "all"):
             rec(f"q8 ffn_down {D}x{FF}", K.mul_mv_q8, y_ff, [(q4(D, FF), "q4_K")])

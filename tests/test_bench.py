@@ -85,7 +85,7 @@ def test_bench_q8_part_times_every_call_and_variant(tmp_path, monkeypatch):
 
 def test_bench_tiles_part_checks_and_times_every_tile(tmp_path, monkeypatch):
     """--parts tiles: each all-Q4_K q8 call on raw rows and in every tile size that divides its
-    rows, plain and a round ahead, two sweeps; a tiled output that differs from the raw rows' stops
+    rows, two sweeps; a tiled output that differs from the raw rows' stops
     the run with the call named (here: tiles whose bytes never moved; the tiny GLU's rows are of one
     block, whose tiles are the raw rows, so the ffn_down is the first to differ)."""
     out = tmp_path / "tiles.json"
@@ -97,11 +97,11 @@ def test_bench_tiles_part_checks_and_times_every_tile(tmp_path, monkeypatch):
         mine = [r for r in rows if r["label"] == label]
         tiles = sorted({r["tile"] for r in mine})
         assert tiles[0] == 1 and len(tiles) >= 2, (label, tiles)
-        assert len(mine) == 2 * 2 * len(tiles) and all(r["us"] > 0 for r in mine)
+        assert len(mine) == 2 * len(tiles) and all(r["us"] > 0 for r in mine)
     from muse_mlx import quants
 
     monkeypatch.setattr(quants, "tile_q4_K_rows", lambda rows, tile: rows)
-    with pytest.raises(SystemExit, match=r"ffn_down \d+x\d+ in tiles of 4 .* differs from its raw rows"):
+    with pytest.raises(SystemExit, match=r"ffn_down \d+x\d+ in tiles of 4 differs from its raw rows"):
         bench.main(["--tiny", "--parts", "tiles", "--kernel-reps", "1"])
 
 

@@ -488,74 +488,11 @@ def test_q8_glu_writes_its_output_quantized(geometry, monkeypatch):
 
 
 @emulator
-@pytest.mark.parametrize("geometry,k", [("2x4x4x1", 512), ("2x2x4x1", 768), ("2x8x8x1", 768), ("2x4x8x1", 1024)])
-def test_q8_glu_ahead_is_the_q8_glu(geometry, k, monkeypatch):
-    """mul_mv_q8_glu_ahead (MUSE_MLX_Q8_AHEAD=glu): activations from threadgroup memory, weights a
-    round ahead in two register sets; its output and that output's q8 bit for bit the plain q8
-    GLU's, and the output its oracle's. Two tokens (the second near 1e30), 128 rows (whole
-    threadgroups of 64 or 32), rows of 2 and 3 blocks (an odd number of rounds at 4 lanes a row: the
-    second set's last round skipped) and 4 (8 lanes a row)."""
-    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
-    lanes = int(geometry.split("x")[2])
-    y = arr(2, k)
-    y[1] = y[1] * 1e15
-    a, c = qrows(128, k, "q4_K"), qrows(128, k, "q4_K")
-    mats = [(a, "q4_K"), (c, "q4_K")]
-    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "0")
-    plain, (plain_qy, plain_ds) = emulate_recorded(K.mul_mv_q8, y, mats, glu="silu", q8_out=True)
-    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "glu")
-    launches = []
-    ahead = mul_mv._Q8_GLU_AHEAD
-    monkeypatch.setattr(mul_mv, "_Q8_GLU_AHEAD", lambda *a, **kw: launches.append(1) or ahead(*a, **kw))
-    out, (qy, ds) = emulate_recorded(K.mul_mv_q8, y, mats, glu="silu", q8_out=True)
-    assert launches == [1]  # the ahead kernel ran, not the plain one
-    assert_bits_equal(out, plain)
-    assert np.array_equal(np.array(qy), np.array(plain_qy))
-    assert_bits_equal(ds, plain_ds)
-    oracle = lambda w: mul_mv.mul_mv_q4_K_q8_oracle(y, w, lanes)  # noqa: E731
-    assert_bits_equal(out, ffn.silu_oracle(oracle(a), oracle(c), exp=libm("expf")))
-
-
-@emulator
-@pytest.mark.parametrize("geometry", ["4x4x32x1", "2x4x4x1", "1x2x8x1"])
-def test_q8_calls_ahead_are_the_q8_calls(geometry, monkeypatch):
-    """mul_mv_q8_pre_q4K_ahead (MUSE_MLX_Q8_AHEAD=all): the other all-Q4_K q8 calls with their
-    activations in threadgroup memory and their weights a round ahead, bit for bit the plain kernel's
-    and their oracle's: a q|k|v|gate-shaped call of four matrices whose rows are not whole SIMD
-    groups' (the SIMD groups past them take part in the copy and store nothing), two tokens, rows
-    of 3 blocks (an odd number of rounds at 4 lanes a row) and 8 (runs not a multiple of 32 lanes).
-    MUSE_MLX_Q8_AHEAD=glu leaves them to the plain kernel."""
-    monkeypatch.setenv("MUSE_MLX_Q8_PRE_GEOMETRY", geometry)
-    lanes = int(geometry.split("x")[2])
-    launches = []
-    ahead = mul_mv._Q8_PRE_Q4K_AHEAD
-    monkeypatch.setattr(mul_mv, "_Q8_PRE_Q4K_AHEAD", lambda *a, **kw: launches.append(1) or ahead(*a, **kw))
-    for k in (768, 2048):
-        y = arr(2, k)
-        mats = [qrows(37, k, "q4_K"), qrows(5, k, "q4_K"), qrows(5, k, "q4_K"), qrows(40, k, "q4_K")]
-        q8 = mul_mv.quantize_q8_rows(y, which="cpu")  # handed over quantized: the pre kernel by default
-        call = lambda: emulate_recorded(K.mul_mv_q8, y, [(w, "q4_K") for w in mats], q8=q8)  # noqa: E731
-        monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "glu")
-        plain = call()
-        assert launches == []
-        monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "all")
-        got = call()
-        assert launches == [1]
-        launches.clear()
-        assert_bits_equal(got, plain)
-        assert_bits_equal(got, mx.concatenate([mul_mv.mul_mv_q4_K_q8_oracle(y, w, lanes) for w in mats], -1))
-    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "sometimes")
-    with pytest.raises(ValueError, match="MUSE_MLX_Q8_AHEAD='sometimes'"):
-        K.mul_mv_q8(y, [(mats[0], "q4_K")], q8=q8, which="cpu")
-
-
-@emulator
-@pytest.mark.parametrize("ahead", ["0", "all"])
 @pytest.mark.parametrize("geometry,tile", [("2x4x4x1", 16), ("2x4x4x1", 64), ("2x4x4x1", 128), ("2x2x4x1", 8),
                                            ("4x4x32x1", 4)])
-def test_q8_rows_in_tiles_are_the_q8_rows(geometry, tile, ahead, monkeypatch):
+def test_q8_rows_in_tiles_are_the_q8_rows(geometry, tile, monkeypatch):
     """The q8 Q4_K lanes over rows in tiles (quants.tile_q4_K_rows, TILE): the GLU with its q8
-    output and an all-Q4_K call of two matrices, plain and a round ahead, bit for bit what the same
+    output and an all-Q4_K call of two matrices, bit for bit what the same
     kernels give on the raw rows (the same blocks, read where they lie), two tokens; a tile that
     is not a SIMD group's rows (16 rows at 2x2x4 take two SIMD groups' 8) too."""
     from muse_mlx.quants import tile_q4_K_rows
@@ -566,11 +503,9 @@ def test_q8_rows_in_tiles_are_the_q8_rows(geometry, tile, ahead, monkeypatch):
     y = arr(2, k)
     gate, up = qrows(128, k, "q4_K"), qrows(128, k, "q4_K")
     q8 = mul_mv.quantize_q8_rows(y, which="cpu")
-    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", "0")
     plain, plain_q8 = emulate_recorded(K.mul_mv_q8, y, [(gate, "q4_K"), (up, "q4_K")], glu="silu", q8_out=True,
                                        q8=q8)
     plain_two = emulate_recorded(K.mul_mv_q8, y, [(gate, "q4_K"), (up[:64], "q4_K")], q8=q8)
-    monkeypatch.setenv("MUSE_MLX_Q8_AHEAD", ahead)
     tiled = [(tile_q4_K_rows(w, tile), "q4_K") for w in (gate, up)]
     out, out_q8 = emulate_recorded(K.mul_mv_q8, y, tiled, glu="silu", q8_out=True, q8=q8, tile=tile)
     assert_bits_equal(out, plain)

@@ -305,12 +305,9 @@ def record_all_kernels():
     q4_64 = mx.concatenate([q4] * (-(-64 // q4.shape[0])))[:64]  # whole threadgroups of 2x4x4 (64 rows)
     with mock.patch.dict(os.environ, {"MUSE_MLX_Q8_PRE_GEOMETRY": "2x4x4"}):  # the GLU writing its output's q8
         K.mul_mv_q8(x, [(q4_64, "q4_K"), (q4_64, "q4_K")], which="record", glu="silu", q8_out=True)
-        with mock.patch.dict(os.environ, {"MUSE_MLX_Q8_AHEAD": "all"}):  # ... and the other calls, a round ahead
-            K.mul_mv_q8(x, [(q4_64, "q4_K"), (q4_64, "q4_K")], which="record", glu="silu", q8_out=True)
-            K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", q8=mul_mv.quantize_q8_rows(x, which="cpu"))
-        for ahead in ("0", "all"):  # the Q4_K rows in tiles (MUSE_MLX_Q8_TILE), plain and a round ahead
-            with mock.patch.dict(os.environ, {"MUSE_MLX_Q8_AHEAD": ahead}):
-                K.mul_mv_q8(x, [(q4_64, "q4_K"), (q4_64, "q4_K")], which="record", glu="silu", q8_out=True, tile=16)
+        K.mul_mv_q8(x, [(q4, "q4_K"), (q4, "q4_K")], which="record", q8=mul_mv.quantize_q8_rows(x, which="cpu"))
+        # the Q4_K rows in tiles (MUSE_MLX_Q8_TILE)
+        K.mul_mv_q8(x, [(q4_64, "q4_K"), (q4_64, "q4_K")], which="record", glu="silu", q8_out=True, tile=16)
     K.dequantize_rows(q4_64, "q4_K", which="record", tile=16)
     K.dequantize_rows(q4_64, "q4_K", mx.float16, which="record", tile=16)
     K.dequantize_rows(q4, "q4_K", which="record")

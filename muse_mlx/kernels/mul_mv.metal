@@ -812,42 +812,12 @@ MUSE_FN float q6K_q8_run(uint4 qa, uint4 qb, uint4 qh, uint2 sw, uint s, float d
     return fma(d, acc, sumf);
 }
 
-// 16 bytes of device memory the kernel only reads, loaded where the source puts the load: on NVIDIA
-// an explicit non-coherent load in volatile PTX, whose order among such loads the compiler keeps
-// (mul_mv_q8_glu_ahead issues a round's weight loads before the round before it computes;
-// NVRTC otherwise moves some of them below that arithmetic: docs/performance.md, twenty-eighth
-// session). Elsewhere a plain load. The same bytes either way.
-MUSE_FN uint4 load_ro16(device const uchar* p) {
-#if defined(__CUDA_ARCH__)
-    uint4 v;
-    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-    return v;
-#else
-    return *(device const uint4*)p;
-#endif
-}
-
 // Where row rr's first block lies in a Q4_K matrix of rows in tiles of TILE (quants.tile_q4_K_rows:
 // block j of a tile's rows one after another, so a row's blocks are 144*TILE bytes apart); TILE = 1
 // is the plain layout, rr * row_bytes.
 template <int TILE>
 MUSE_FN ulong q4K_row_start(uint rr, uint row_bytes) {
     return (ulong)(rr / TILE) * TILE * row_bytes + (ulong)(rr % TILE) * 144u;
-}
-
-// The weights of the q8 Q4_K lanes' run p of NR rows (rp: each row's first block, in a matrix of
-// rows in tiles of TILE): per row the block's header and the lane's 32 quant bytes (tq = p % 4, the
-// lane's quarter of the block). A run past the row's end loads the row's last block (not added).
-template <int NR, int TILE>
-MUSE_FN void q8_q4K_run_weights(device const uchar* thread const* rp, uint p, uint nb, uint tq,
-                                thread uint4* hdr, thread uint4* qa, thread uint4* qb) {
-    const uint b = min(p / 4, nb - 1u);
-    for (int r = 0; r < NR; ++r) {
-        device const uchar* blk = rp[r] + (ulong)b * (144u * TILE);
-        hdr[r] = load_ro16(blk);
-        qa[r] = load_ro16(blk + 16 + 32 * tq);
-        qb[r] = load_ro16(blk + 32 + 32 * tq);
-    }
 }
 
 // The xor butterfly over each aligned group of W lanes (offsets W/2, ..., 1): simd_sum's order
@@ -1162,8 +1132,7 @@ MUSE_FN float lane_group_sum(float v) {
 // kernels mul_mv_q8_pre (parts q8_pre_rows, q8_pre_live, q8_pre_lanes, q8_pre_q6K, q8_pre_q4K,
 // q8_pre_out: Q4_K and split Q6_K matrices), mul_mv_q8_pre_q4K (the same without q8_pre_q6K: calls
 // of Q4_K matrices only, whose source then holds no Q6_K lanes, see docs/kernels.md, "A kernel's
-// source") and mul_mv_q8_pre_q8out (mul_mv_q8_pre_q4K + q8_out, the GLU); q8_ahead_q4K's kernels
-// take these parts but q8_pre_live.
+// source") and mul_mv_q8_pre_q8out (mul_mv_q8_pre_q4K + q8_out, the GLU).
 // OPT-IN, NOT EXACT (flag mv_q8): mul_mv_q4_K_q8_multi's arithmetic on activations that
 // quantize_q8 wrote once (no per-threadgroup quantization, no threadgroup memory, no barrier),
 // for up to four matrices (Y 0 Q4_K; Y 2 Q6_K in the split form, flag mv_q8_q6k: q6K_q8_run) or
@@ -1285,51 +1254,6 @@ MUSE_FN float lane_group_sum(float v) {
             for (uint r = 0; r < nrows; ++r)
                 sumf[r] = q4K_q8_run(hdr[u][r], qar[u][r], qbr[u][r], tq, yv[u][0], yv[u][1], yv[u][2], yv[u][3],
                                      e[u].x, e[u].y, e[u].z, e[u].w, sumf[r]);
-        }
-    }
-    }
-
-// ==== part: q8_ahead_q4K
-// kernels mul_mv_q8_glu_ahead (parts q8_pre_rows, q8_pre_lanes, q8_ahead_q4K, q8_pre_out, q8_out:
-// the q8 GLU writing its output quantized) and mul_mv_q8_pre_q4K_ahead (the same without q8_out:
-// calls of Q4_K matrices only). OPT-IN, NOT EXACT (MUSE_MLX_Q8_AHEAD=glu or all):
-// mul_mv_q8_pre_q8out's and mul_mv_q8_pre_q4K's lanes, runs and order, so their bits (U = 1), with
-// two changes to when bytes arrive. The token's int8 activations and their (d, sum) pairs are copied
-// into threadgroup memory once per threadgroup, and each round's weights are loaded a round ahead,
-// into the other of two register sets, while the round before computes: the q8 matvecs otherwise
-// wait on their loads with one round in flight per warp (docs/performance.md, twenty-eighth
-// session). The copy's barrier comes after the first round's weight loads are issued, so every SIMD
-// group takes part (no q8_pre_live): one past the rows computes on its rows' clamped addresses and
-// stores nothing (q8_pre_out's guard).
-    threadgroup int4 ys[K / 16];  // at the kernel's scope: Metal declares threadgroup memory nowhere deeper
-    threadgroup float4 dss[K / 64];
-    {
-    constexpr int NROWS = (GLU == 1 ? 2 : 1) * NR0;
-    const uint row_bytes = nb * 144u;
-    device const uchar* rp[NROWS];
-    for (int r = 0; r < NROWS; ++r) {
-        const uint rr = min(first_row + uint(r % NR0), rows - 1u);
-        rp[r] = (GLU == 1 && r >= NR0 ? w1 : w) + q4K_row_start<TILE>(rr, row_bytes);
-        sumf[r] = 0.0f;
-    }
-    uint4 hdr[2][NROWS], qar[2][NROWS], qbr[2][NROWS];
-    q8_q4K_run_weights<NROWS, TILE>(rp, li, nb, tq, hdr[0], qar[0], qbr[0]);
-    for (uint i = sgitg * 32 + tiisg; i < K / 16; i += NSG * 32) ys[i] = yq4[i];
-    for (uint i = sgitg * 32 + tiisg; i < K / 64; i += NSG * 32) dss[i] = ds4[i];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint p0 = li; p0 < nb * 4; p0 += 2 * LPR) {
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {  // k: the register set this round computes from
-            const uint pk = p0 + LPR * k;
-            if (k == 0 || pk < nb * 4) {  // not `break`: k must stay a constant, or the sets go to local memory
-            q8_q4K_run_weights<NROWS, TILE>(rp, pk + LPR, nb, tq, hdr[1 - k], qar[1 - k], qbr[1 - k]);
-            const uint b = pk / 4;
-            MUSE_TG const int4* yb = ys + 16 * b + 4 * tq;  // values 256b + 64tq .. +63
-            const int4 y0 = yb[0], y1 = yb[1], y2 = yb[2], y3 = yb[3];
-            const float4 e = dss[4 * b + tq];  // d, sum of groups 8b+2tq and 8b+2tq+1
-            for (int r = 0; r < NROWS; ++r)
-                sumf[r] = q4K_q8_run(hdr[k][r], qar[k][r], qbr[k][r], tq, y0, y1, y2, y3, e.x, e.y, e.z, e.w, sumf[r]);
-            }
         }
     }
     }

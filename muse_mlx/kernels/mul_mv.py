@@ -754,13 +754,7 @@ _Q8_PRE_Q4K = Kernel("mul_mv", "mul_mv_q8_pre_q4K", _Q8_PRE.inputs, ["dst"], use
 _Q8_PRE_OUT = Kernel("mul_mv", "mul_mv_q8_pre_q8out", ["w0", "w1", "w2", "w3", "qy", "ds"], ["dst", "oqy", "ods"],
                      uses=("ffn",),
                      parts=("q8_pre_rows", "q8_pre_live", "q8_pre_lanes", "q8_pre_q4K", "q8_pre_out", "q8_out"))
-# those two with their activations in threadgroup memory and their weights loaded a round ahead
-# (MUSE_MLX_Q8_AHEAD; the same bits)
-_Q8_GLU_AHEAD = Kernel("mul_mv", "mul_mv_q8_glu_ahead", _Q8_PRE_OUT.inputs, _Q8_PRE_OUT.outputs, uses=("ffn",),
-                       parts=("q8_pre_rows", "q8_pre_lanes", "q8_ahead_q4K", "q8_pre_out", "q8_out"))
-_Q8_PRE_Q4K_AHEAD = Kernel("mul_mv", "mul_mv_q8_pre_q4K_ahead", _Q8_PRE.inputs, ["dst"], uses=("ffn",),
-                           parts=("q8_pre_rows", "q8_pre_lanes", "q8_ahead_q4K", "q8_pre_out"))
-KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT, _Q8_GLU_AHEAD, _Q8_PRE_Q4K_AHEAD)
+KERNELS += (_Q8, _QUANTIZE_Q8, _Q8_PRE, _Q8_PRE_Q4K, _Q8_PRE_OUT)
 # rows per SIMD group, SIMD groups per threadgroup: H200 best of eight (bench.py --tune); Metal unmeasured
 Q8_GEOMETRY = {"cuda": (8, 4), "metal": (2, 4)}
 # mul_mv_q8_pre's (NR0 rows per lane group, NSG, LPR lanes per row, U runs in flight). LPR
@@ -868,18 +862,6 @@ def q8_from_glu() -> bool:
     return _switch("MUSE_MLX_Q8_GLU_OUT", True) and q8_pre_glu()
 
 
-def q8_ahead(glu: bool) -> bool:
-    """Whether a q8 call of Q4_K matrices only runs its rounds ahead (``mul_mv_q8_glu_ahead`` for
-    the GLU that writes its output quantized, ``mul_mv_q8_pre_q4K_ahead`` for the others: their
-    activations copied into threadgroup memory, their weights loaded a round ahead; the same bits):
-    ``MUSE_MLX_Q8_AHEAD=glu`` (the GLU), ``all`` (every such call) or ``0`` (the default: prepared in
-    the twenty-eighth session, not yet timed on a GPU)."""
-    mode = os.environ.get("MUSE_MLX_Q8_AHEAD", "0").lower()
-    if mode not in ("0", "glu", "all"):
-        raise ValueError(f"MUSE_MLX_Q8_AHEAD={mode!r}: expected 0, glu or all")
-    return mode == "all" or (mode == "glu" and glu)
-
-
 # Rows a tile of the q8 GLU's gate and up matrices, per backend (1: raw rows). On the H200 the GLU
 # takes 42.0-42.4 us a call in tiles against 46.2-46.5 on raw rows, the q8 route's token 0.2 ms
 # less (thirty-first session, docs/performance.md); not yet timed on a Mac.
@@ -967,7 +949,6 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         for w, _ in weights:
             _tile_shape(w, tile)  # whole tiles of whole blocks, or a ValueError that says so
     call = q8_call(sum(w.shape[0] for w, _ in weights), glu is not None)
-    ahead = q8_ahead(glu is not None)  # read (and checked) on every backend, used by the GPU's
     if pre:
         nr0, nsg, lpr, u = q8_pre_geometry(which, call)
         per_tg = nr0 * nsg * (32 // lpr)
@@ -1000,13 +981,11 @@ def mul_mv_q8(y, weights, which=None, glu: str | None = None, q8=None, q8_out: b
         qy, ds = q8 if q8 is not None else quantize_q8_rows(y, which)
         template += [("LPR", lpr), ("U", u), ("TILE", tile)] + [(f"Y{i}", Q8_PRE_TYPE[kinds[i]]) for i in range(4)]
         if own_q8:
-            kernel = _Q8_GLU_AHEAD if ahead else _Q8_PRE_OUT
-            dst, oqy, ods = kernel(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
+            dst, oqy, ods = _Q8_PRE_OUT(mats + [qy, ds], out_shape + [(y.size // K * rows[0] // 4,),
                                                                 (y.size // K * rows[0] // 16,)],
                                    [F32, mx.uint32, F32], template=template, **launch)
             return dst, (oqy, ods)
-        q4k_only = all(Q8_PRE_TYPE[k] == 0 for k in kinds)
-        kernel = _Q8_PRE if not q4k_only else _Q8_PRE_Q4K_AHEAD if ahead else _Q8_PRE_Q4K
+        kernel = _Q8_PRE_Q4K if all(Q8_PRE_TYPE[k] == 0 for k in kinds) else _Q8_PRE
         (dst,) = kernel(mats + [qy, ds], out_shape, [F32], template=template, **launch)
     else:
         template += [(f"Y{i}", TYPE_CODE[kinds[i]]) for i in range(4)]
