@@ -93,6 +93,21 @@ def copy_bandwidth(n_bytes: int) -> float:
     return 2 * a.nbytes / best
 
 
+def read_bandwidth(n_bytes: int) -> float:
+    """Bytes read per second by sums over one array (nothing written but a scalar), best of 5: on
+    the H200 a stream that only reads goes faster than the copies above count (the split Q6_K head
+    read 4.06 TB/s where the copy gave 3.62-3.74; docs/performance.md, thirty-first session)."""
+    a = mx.random.uniform(shape=(n_bytes // 4,))
+    mx.eval(a)
+    best = float("inf")
+    reps = 8
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mx.eval([mx.sum(a) for _ in range(reps)])
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return a.nbytes / best
+
+
 # -- per-kernel timings --------------------------------------------------------------------
 
 
@@ -686,9 +701,11 @@ def main(argv=None) -> int:
     )
     if K.backend() == "cuda":
         report["gpu"] = os.popen("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader").read().strip()
-    bw = copy_bandwidth(1 << 24 if args.tiny or args.thin else 1 << 27 if args.small else 1 << 30)
-    report["copy_tb_s"] = bw / 1e12
-    log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s")
+    probe_bytes = 1 << 24 if args.tiny or args.thin else 1 << 27 if args.small else 1 << 30
+    bw, read_bw = copy_bandwidth(probe_bytes), read_bandwidth(probe_bytes)
+    report["copy_tb_s"], report["read_tb_s"] = bw / 1e12, read_bw / 1e12
+    log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s "
+        f"(read + written), sums read {read_bw / 1e12:.3f} TB/s")
     log(describe_settings(report["environment"]))
 
     if args.sweep or args.tune:
@@ -752,7 +769,7 @@ def main(argv=None) -> int:
         wbytes = weight_bytes_per_token(model)
         loaded_peak = mx.get_peak_memory()
         log(f"{route}: loaded in {load_s:.0f} s; weights read per token {wbytes / 1e9:.2f} GB "
-            f"(roofline {bw / wbytes:.0f} tok/s); peak memory {loaded_peak / 1e9:.1f} GB = "
+            f"(roofline {bw / wbytes:.0f} tok/s at the copy's rate, {read_bw / wbytes:.0f} at the sums'); peak memory {loaded_peak / 1e9:.1f} GB = "
             f"{loaded_peak / file_bytes:.2f} x file")
         for flags in flag_sets(route, args.flags):
             model.set_flags(flags)

@@ -25,7 +25,7 @@ def test_bench_reports_every_route_and_flag(tmp_path, monkeypatch, capsys):
                      "--prefill", "8", "--contexts", "4,12", "--flags", ",mv_q8", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
-    assert r["copy_tb_s"] > 0 and r["geometry"]["layers"] == 4
+    assert r["copy_tb_s"] > 0 and r["read_tb_s"] > 0 and r["geometry"]["layers"] == 4
     env = r["environment"]
     assert env["MLX_MAX_OPS_PER_BUFFER"] == "100" and env["MUSE_MLX_Q8_TAIL"] == "1"
     assert env["MUSE_MLX_NOT_A_SWITCH_X"] == "" and "OTHER_VARIABLE_X" not in env
