@@ -792,7 +792,7 @@ def main(argv=None) -> int:
                         model.set_flags(model.route.flags)
                     r = decode_rate(model, ctx, n_tok, args.runs, compiled if model.route.fast_decode(model.cfg) else None, rng)
                 r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
-                         of_roofline=r["tok_s"] / (bw / wbytes))
+                         of_roofline=r["tok_s"] / (bw / wbytes), of_read=wbytes * r["tok_s"] / read_bw)
                 setting = ""
                 if env_name is not None:
                     r["env"] = {env_name: env_value}
@@ -802,6 +802,8 @@ def main(argv=None) -> int:
                     f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}; "
                     f"per token {r['host_ms']:.2f} ms building and queueing (MLX's own waits included), "
                     f"{r['wait_ms']:.2f} ms waiting in item()")
+            if any(name in FORM_SWITCHES for name, _ in settings):  # the weights back in the form the environment asks
+                model.set_flags(model.route.flags)
             entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
             if contexts:
                 log(f"    decode peak memory {entry['peak_bytes'] / 1e9:.1f} GB = "

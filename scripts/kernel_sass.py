@@ -444,6 +444,10 @@ def record_calls(q4_geoms: list[str], q6_geoms: list[str], q8_geoms: list[str], 
                 [(q4(QW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(KVW, D), "q4_K"), (q4(QW, D), "q4_K")])
             rec(f"q8 ffn_gate+up {FF}x{D} silu", K.mul_mv_q8, y_d, [(q4(FF, D), "q4_K"), (q4(FF, D), "q4_K")],
                 glu="silu")
+            # attn_output on the attention's quantized output (attn_decode_fused_q8), as the decode runs it
+            y_o = mx.zeros((1, QW))
+            rec(f"q8 attn_output {D}x{QW}", K.mul_mv_q8, y_o, [(q4(D, QW), "q4_K")],
+                q8=mul_mv.quantize_q8_rows(y_o, which="cpu"))
     if everything:
         x, w = mx.zeros((1, D)), mx.zeros((D,))
         rec("attn_norm", K.rms_norm_mul, x, w)

@@ -117,7 +117,8 @@ def test_bench_logits_part_times_the_pick_both_ways(tmp_path):
 
 def test_bench_env_ab_over_a_form_switch_re_forms_the_weights(tmp_path, monkeypatch):
     """--env-ab MUSE_MLX_Q8_TILE=1,16: each decode case runs with the GLU's weights in that value's
-    form (Model.set_flags re-forms them), alternated, twice over."""
+    form (Model.set_flags re-forms them), alternated, twice over; the prefill after them runs on
+    the form the environment asks for (here unset: the CPU's raw rows), not the last value's."""
     from muse_mlx.layers import QLinear
     from muse_mlx.model import Model
 
@@ -128,12 +129,20 @@ def test_bench_env_ab_over_a_form_switch_re_forms_the_weights(tmp_path, monkeypa
         forms = {m.form for n, m in model.named_modules() if isinstance(m, QLinear) and n.endswith("ffn_gate")}
         seen.append((os.environ.get("MUSE_MLX_Q8_TILE"), forms))
 
+    def gate_forms(model):
+        return {m.form for n, m in model.named_modules() if isinstance(m, QLinear) and n.endswith("ffn_gate")}
+
+    prefill_forms, prefill_rate = [], bench.prefill_rate
+    monkeypatch.setattr(bench, "prefill_rate", lambda model, *a, **kw: prefill_forms.append(gate_forms(model))
+                        or prefill_rate(model, *a, **kw))
     monkeypatch.setattr(Model, "set_flags", spy)
+    monkeypatch.delenv("MUSE_MLX_Q8_TILE", raising=False)
     out = tmp_path / "r.json"
     assert bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--parts", "model", "--tokens", "2", "--runs", "1",
-                       "--prefill", "0", "--contexts", "4", "--routes", "pinned", "--flags", "mv_q8", "--compiled-only",
+                       "--prefill", "8", "--contexts", "4", "--routes", "pinned", "--flags", "mv_q8", "--compiled-only",
                        "--env-ab", "MUSE_MLX_Q8_TILE=1,16", "--json", str(out)]) == 0
     ab = [(v, f) for v, f in seen if v is not None]
     assert ab == [("1", {"blocks"}), ("16", {"q4_K_tiled"})] * 2
     decode = json.loads(out.read_text())["routes"][0]["decode"]
     assert [d["env"] for d in decode] == [{"MUSE_MLX_Q8_TILE": v} for v in ("1", "16", "1", "16")]
+    assert prefill_forms == [{"blocks"}]

@@ -688,6 +688,9 @@ def test_q8_tile_default_per_backend(monkeypatch):
     monkeypatch.delenv("MUSE_MLX_Q8_TILE", raising=False)
     assert mul_mv.q8_tile("cuda") == mul_mv.Q8_TILE["cuda"] > 1
     assert mul_mv.q8_tile("metal") == mul_mv.q8_tile("cpu") == 1
+    for which, want in (("cuda", mul_mv.Q8_TILE["cuda"]), ("cpu", 1)):  # unnamed: the backend in use
+        monkeypatch.setattr(mul_mv, "backend", lambda which=which: which)
+        assert mul_mv.q8_tile() == want
     monkeypatch.setenv("MUSE_MLX_Q8_TILE", "1")
     assert mul_mv.q8_tile("cuda") == 1
     monkeypatch.setenv("MUSE_MLX_Q8_TILE", "64")

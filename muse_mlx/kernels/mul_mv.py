@@ -863,7 +863,7 @@ def q8_from_glu() -> bool:
 
 
 # Rows a tile of the q8 GLU's gate and up matrices, per backend (1: raw rows). On the H200 the GLU
-# takes 42.0-42.4 us a call in tiles against 46.2-46.5 on raw rows, the q8 route's token 0.2 ms
+# takes 41.9-42.4 us a call in tiles against 46.2-46.5 on raw rows, the q8 route's token 0.2 ms
 # less (thirty-first session, docs/performance.md); not yet timed on a Mac.
 Q8_TILE = {"cuda": 16}
 
