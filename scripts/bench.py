@@ -75,37 +75,34 @@ def log(*a):
 # -- the device's own ceiling -------------------------------------------------------------
 
 
-def copy_bandwidth(n_bytes: int) -> float:
-    """Bytes read + written per second by a chain of plain copies (``a + 0``), best of 5."""
-    a = mx.random.uniform(shape=(n_bytes // 4,))
-    mx.eval(a)
+def _seconds_per_rep(run, reps: int = 8) -> float:
+    """Best of 5 timings of ``run(reps)`` (which evaluates ``reps`` passes), per pass."""
     best = float("inf")
-    reps = 8
     for _ in range(5):
         t0 = time.perf_counter()
-        b = a
-        outs = []
+        run(reps)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def memory_bandwidths(n_bytes: int) -> tuple[float, float]:
+    """Bytes per second over one array of ``n_bytes``: read + written by a chain of plain copies
+    (``a + 0``), and read by sums (nothing written but a scalar). On the H200 a stream that only
+    reads goes faster than the copies count (the split Q6_K head read 4.06 TB/s where the copy gave
+    3.62-3.74; docs/performance.md, thirty-first session)."""
+    a = mx.random.uniform(shape=(n_bytes // 4,))
+    mx.eval(a)
+
+    def copies(reps):
+        b, outs = a, []
         for _ in range(reps):
             b = b + 0.0
             outs.append(b)
         mx.eval(outs)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return 2 * a.nbytes / best
 
-
-def read_bandwidth(n_bytes: int) -> float:
-    """Bytes read per second by sums over one array (nothing written but a scalar), best of 5: on
-    the H200 a stream that only reads goes faster than the copies above count (the split Q6_K head
-    read 4.06 TB/s where the copy gave 3.62-3.74; docs/performance.md, thirty-first session)."""
-    a = mx.random.uniform(shape=(n_bytes // 4,))
-    mx.eval(a)
-    best = float("inf")
-    reps = 8
-    for _ in range(5):
-        t0 = time.perf_counter()
-        mx.eval([mx.sum(a) for _ in range(reps)])
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return a.nbytes / best
+    copy = 2 * a.nbytes / _seconds_per_rep(copies)
+    read = a.nbytes / _seconds_per_rep(lambda reps: mx.eval([mx.sum(a) for _ in range(reps)]))
+    return copy, read
 
 
 # -- per-kernel timings --------------------------------------------------------------------
@@ -702,7 +699,7 @@ def main(argv=None) -> int:
     if K.backend() == "cuda":
         report["gpu"] = os.popen("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader").read().strip()
     probe_bytes = 1 << 24 if args.tiny or args.thin else 1 << 27 if args.small else 1 << 30
-    bw, read_bw = copy_bandwidth(probe_bytes), read_bandwidth(probe_bytes)
+    bw, read_bw = memory_bandwidths(probe_bytes)
     report["copy_tb_s"], report["read_tb_s"] = bw / 1e12, read_bw / 1e12
     log(f"mlx {mx.__version__} on {mx.default_device()} ({K.backend()} kernels); copy bandwidth {bw / 1e12:.3f} TB/s "
         f"(read + written), sums read {read_bw / 1e12:.3f} TB/s")
