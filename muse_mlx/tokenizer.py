@@ -251,21 +251,23 @@ class StreamingDetokenizer:
     def add_token(self, token: int) -> str:
         """Append a token and return the newly finished text (possibly empty)."""
         self.tokens.append(token)
-        done = self.tokenizer.decode(self.tokens[self._prefix : self._read])
-        now = self.tokenizer.decode(self.tokens[self._prefix :])
-        if now.endswith("\ufffd") or len(now) <= len(done):  # an incomplete UTF-8 sequence, or nothing new yet
-            return ""
-        new = now[len(done) :]
-        self._prefix, self._read = self._read, len(self.tokens)
-        self.text += new
-        return new
+        return self._take(complete_only=True)
 
     def finalize(self) -> str:
         """The rest, incomplete characters included (as the full decode would give them). Tokens
         added after it continue the same text (``reset`` starts another)."""
+        return self._take(complete_only=False)
+
+    def _take(self, complete_only: bool) -> str:
+        """What the window ``[prefix:]`` adds to ``[prefix:read]``, handed out as an emission (the
+        window then starts at the first token not yet handed out); with ``complete_only``, nothing
+        while the text ends in an incomplete UTF-8 sequence."""
         done = self.tokenizer.decode(self.tokens[self._prefix : self._read])
-        new = self.tokenizer.decode(self.tokens[self._prefix :])[len(done) :]
-        if new:  # as an emission: more tokens may follow, and continue the same text
+        now = self.tokenizer.decode(self.tokens[self._prefix :])
+        if complete_only and now.endswith("\ufffd"):  # wait for the sequence's next byte
+            return ""
+        new = now[len(done) :]
+        if new:  # (nothing new yet: the window stays where it is)
             self._prefix, self._read = self._read, len(self.tokens)
-        self.text += new
+            self.text += new
         return new
