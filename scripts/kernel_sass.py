@@ -11,7 +11,11 @@ for on a compute-capability-9 device such as the H200) and disassembled. One lin
 and template: registers per thread, spill stores/loads and stack frame (ptxas -v), SASS
 instructions (NOPs excluded), counts of key opcodes, the widths of the global loads, and the
 hottest loop (the backward branch whose body holds the most FFMA/IDP): its instructions per
-iteration and, for the matvecs, per weight one lane handles in one iteration.
+iteration and, for the matvecs, per weight one lane handles in one iteration. Each line also gives
+the compile's own seconds, and the last line their count and sum beside an empty kernel behind the
+same header, with and without cooperative_groups.h: what a process pays at a variant's first launch
+when MLX's disk cache of cubins does not hold it (MLX compiles one variant at a time; these are one
+core's seconds of this machine, and MLX's own utils.cuh, left out here, adds to each).
 
 Record mode would pick Metal's/ggml's geometry ("tuned" has no "record" entry), so the calls here
 pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_MV_GEOMETRY_Q6K`` and
@@ -67,6 +71,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -524,7 +529,9 @@ def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool, as_launched: b
     kernel = c["kernel"]
     header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
     src = header + Kernel.recorded_source(c, as_launched)
+    start = time.perf_counter()
     cubin, log = tc.compile(src, tmp)
+    seconds = time.perf_counter() - start
     text = tc.sass(cubin)
     insns = [i for i in parse_sass(text) if i["base"] != "NOP"]
     counts = opcode_counts(insns)
@@ -535,7 +542,8 @@ def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool, as_launched: b
     tg = c["threadgroup"]
     return dict(name=bounded_name(kernel.name, c["bounds"]), labels=labels, threads=tg[0] * tg[1] * tg[2], template=c["template"],
                 stats=ptxas_stats(log), n=len(insns), counts=counts, ldg=mem_widths(insns, "LDG"),
-                lds=mem_widths(insns, "LDS"), loops=lps, hot=hot, sass=text if want_sass else None, ptxas=log)
+                lds=mem_widths(insns, "LDS"), loops=lps, hot=hot, sass=text if want_sass else None, ptxas=log,
+                compile_s=seconds)
 
 
 def fmt_widths(c: collections.Counter) -> str:
@@ -561,7 +569,8 @@ def print_line(r: dict, ops: list[str]) -> None:
     print(f"{r['name']}  {short_template(r['template'])}  <- {'; '.join(r['labels'])}")
     occ = warps_per_sm(s["regs"], s["smem"], r["threads"])
     print(f"    regs={s['regs']} spill st/ld={s['spill_st']}/{s['spill_ld']} B stack={s['stack']} B smem={s['smem']} B"
-          f" warps/SM<={occ}  SASS={r['n']}  LDG={fmt_widths(r['ldg'])} LDS={fmt_widths(r['lds'])}")
+          f" warps/SM<={occ}  SASS={r['n']}  LDG={fmt_widths(r['ldg'])} LDS={fmt_widths(r['lds'])}"
+          f"  compile={r['compile_s']:.2f} s")
     print("    " + " ".join(f"{o}={cnt(r['counts'], o)}" for o in ops))
     for lp in r["hot"][:2] or [None]:
         if lp is None:
@@ -642,6 +651,7 @@ def main(argv=None) -> int:
     keep = Path(a.keep) if a.keep else None
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
+    seconds = []
     for k, (labels, c) in enumerate(calls):
         with tempfile.TemporaryDirectory() as tmp:
             try:
@@ -655,6 +665,7 @@ def main(argv=None) -> int:
                     shutil.copy(Path(tmp) / f"k.{ext}", f"{stem}.{ext}")
                 Path(f"{stem}.sass").write_text(r["sass"])
                 Path(f"{stem}.ptxas.txt").write_text(r["ptxas"])
+        seconds.append(r["compile_s"])
         if a.sass:
             print(f"// ===== {r['name']}  {short_template(r['template'])}  <- {'; '.join(labels)}")
             print(r["sass"])
@@ -662,7 +673,36 @@ def main(argv=None) -> int:
         print_line(r, ops)
         if a.loops:
             print_loops(r)
+    print(compile_summary(tc, seconds), file=sys.stderr if a.sass else sys.stdout)
     return 0
+
+
+def header_seconds(tc: Toolchain, groups: bool = True) -> float:
+    """The fastest of three compiles of an empty kernel behind the header every unit here starts
+    with (CUDA's headers that MLX's default header includes, minus MLX's own utils.cuh): the part of
+    each compile that no kernel of ours can remove. ``groups=False``: without cooperative_groups.h."""
+    header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
+    if not groups:
+        header = header.replace("#include <cooperative_groups.h>\n", "")
+    src = header + "__global__ void custom_kernel_empty(float* out) { out[0] = 0.0f; }\n"
+    best = float("inf")
+    for _ in range(3):
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            tc.compile(src, Path(tmp))
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def compile_summary(tc: Toolchain, seconds: list[float]) -> str:
+    """One line: the compiles' count, total and median, beside the header's own cost. MLX compiles
+    each kernel variant (name, source, template values) at its first launch in a process, one after
+    another, unless its cubin is in MLX's disk cache; these are one CPU core's seconds here."""
+    ordered = sorted(seconds)
+    median = ordered[len(ordered) // 2] if ordered else 0.0
+    return (f"# {len(seconds)} compiles, {sum(seconds):.1f} s in all, median {median:.2f} s; an empty kernel "
+            f"behind the same header {header_seconds(tc):.2f} s, {header_seconds(tc, groups=False):.2f} s "
+            "without cooperative_groups.h")
 
 
 if __name__ == "__main__":
