@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from .decode import DecodeStep
 from .errors import MuseError, NumericalError, RequestError
-from .kernels.backend import backend, cuda_source_mode
+from .kernels.backend import backend, cuda_source_mode, variants_launched
 from .kernels.logits import logit_stats, logits_mode
 from .sampling import greedy, make_sampler
 
@@ -309,6 +309,12 @@ def _print_stats(model, last: GenerationResponse | None) -> None:
     print(f"Peak memory: {last.peak_memory:.3f} GB")
     gbps = weight_bytes_per_token(model) * last.generation_tps / 1e9
     print(f"Bandwidth achieved: {gbps:.3f} GB/s (weights read per token x generation tokens-per-sec)")
+    which = backend()
+    built = variants_launched(which)
+    if built:  # why a process's first prompt is slow, where it is
+        why = (": on CUDA NVRTC compiles each, about 1 s, in every process, mostly inside the prompt's time"
+               if which == "cuda" else "")
+        print(f"Kernel variants built at their first launch in this process: {built}{why}")
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

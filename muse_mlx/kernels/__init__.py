@@ -30,7 +30,7 @@ function                               reference
 
 from . import attention, ffn, logits, mul_mv, norm_tail, rms_norm
 from .attention import attn_decode, attn_decode_token, qk_rope_pack, rope_table
-from .backend import backend
+from .backend import backend, variants_launched
 from .ffn import ffn_q4k_gate_up_4r2s, gelu_mul, silu_mul
 from .logits import logit_stats
 from .mul_mv import dequantize_rows, embed_rows, mul_mv_glu, mul_mv_multi, mul_mv_q4_K, mul_mv_q6_K, mul_mv_q8
@@ -41,7 +41,7 @@ ALL_KERNELS = rms_norm.KERNELS + norm_tail.KERNELS + mul_mv.KERNELS + ffn.KERNEL
 
 __all__ = [
     "attn_decode", "attn_decode_token", "qk_rope_pack", "rope_table", "dequantize_rows", "embed_rows", "mul_mv_glu", "mul_mv_multi", "mul_mv_q8",
-    "backend", "ffn_q4k_gate_up_4r2s", "logit_stats", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
+    "backend", "variants_launched", "ffn_q4k_gate_up_4r2s", "logit_stats", "gelu_mul", "silu_mul", "mul_mv_q4_K", "mul_mv_q6_K",
     "tail_32sg", "tail_dual_eps", "tail_dual_eps_q4", "tail_dual_eps_q8", "GEOMETRIES", "norm_threads", "rms_norm_batch", "rms_norm_f16",
     "rms_norm_mul", "ALL_KERNELS",
 ]

@@ -255,6 +255,14 @@ def backend() -> str:
     return "cpu"
 
 
+def variants_launched(which: str | None = None) -> int:
+    """How many kernel variants (a kernel with one set of launch bounds, template values and
+    dtypes) this process has launched on backend ``which`` (default: every GPU backend). MLX builds
+    each at its first launch: on CUDA one NVRTC compile of about 1.2 s (thirty-second session,
+    docs/performance.md), in every process, since MLX keeps no custom kernel's build on disk."""
+    return sum(1 for v in Kernel.launched if which is None or v[0] == which)
+
+
 def in_device_memory(arr: mx.array) -> mx.array:
     """On CUDA, a copy of ``arr`` in device memory (the same bits); elsewhere ``arr`` itself.
 
@@ -406,6 +414,10 @@ class Kernel:
     """
 
     recorded: list[dict] = []
+    # every variant launched on a GPU in this process, as MLX tells its modules apart (the kernel's
+    # name with its launch bounds, template values, dtypes; the text is the kernel's own): on CUDA
+    # each is one NVRTC compile at its first launch, in every process (see variants_launched)
+    launched: set[tuple] = set()
 
     def __init__(self, family: str | None, name: str, inputs: list[str], outputs: list[str], body: str | None = None,
                  uses: tuple[str, ...] = (), parts: tuple[str, ...] = ()):
@@ -519,6 +531,9 @@ class Kernel:
             ))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
         k = self.build(which, bounds)
+        # (about 1.6 us a call on a 2-core CI machine; an uncompiled launch costs MLX's host ~20 us)
+        Kernel.launched.add((which, self.name, bounds, tuple(template or ()),
+                             tuple(getattr(a, "dtype", None) for a in inputs), tuple(output_dtypes)))
         return k(
             inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
             grid=grid, threadgroup=threadgroup, template=template, **kw,
