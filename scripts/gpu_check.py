@@ -265,6 +265,11 @@ def check_decode_kernels(rng, quick):
         toks = mx.array([7, 0, 511, 7], dtype=mx.int32)
         compare("embed_rows (gather + dequant) == gguf-py", f"4 of 512x{D} {kind}", gpu(K.embed_rows, wd, toks, kind),
                 mx.array(want[np.array(toks)]))
+        bad = mx.array([7, 512, -1, 0], dtype=mx.int32)  # ids outside the table: rows of NaN (0x7FC00000)
+        want_bad = np.full((4, D), np.nan, np.float32)
+        want_bad[0], want_bad[3] = want[7], want[0]
+        compare("embed_rows, ids outside the table == NaN rows", f"4 of 512x{D} {kind}", gpu(K.embed_rows, wd, bad, kind),
+                mx.array(want_bad))
     # decode attention: a flat buffer, a ring that has wrapped, a window in a flat buffer
     cases = [(32, 2, 128, 8192, 0, 4000), (32, 2, 128, 4096, 4096, 6000), (32, 2, 128, 8192, 4096, 8191),
              (8, 2, 64, 256, 0, 0), (16, 1, 256, 512, 0, 300), (4, 2, 32, 2048, 0, 1500),

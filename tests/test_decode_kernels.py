@@ -249,14 +249,19 @@ def test_dequantize_kernels():
 @pytest.mark.parametrize("kind", ["q4_K", "q6_K"])
 def test_embedding_kernel_is_gguf_py_of_the_rows(kind):
     """Gather and dequantization in one dispatch: rows in token order, repeats included; an id
-    past the table reads its last row instead of memory past it."""
+    outside the table (past it, or negative) gives a row of NaN, on the kernel and the CPU path
+    alike, and leaves the other tokens' rows as they are."""
     w = qrows(37, 512, kind)
     table = gguf_dequantize(np.array(w), QTYPE[kind]).reshape(37, 512)
     tokens = mx.array([[3, 0, 36], [3, 17, 5]], dtype=mx.int32)
     got = emulate_recorded(K.embed_rows, w, tokens, kind)
     assert got.shape == (2, 3, 512)
     assert_bits_equal(got, table[np.array(tokens)])
-    assert_bits_equal(emulate_recorded(K.embed_rows, w, mx.array([40], dtype=mx.int32), kind), table[[36]])
+    bad = mx.array([5, 37, -1, 40], dtype=mx.int32)
+    for out in (emulate_recorded(K.embed_rows, w, bad, kind), K.embed_rows(w, bad, kind, which="cpu")):
+        out = np.array(out)
+        assert_bits_equal(out[0], table[5])
+        assert np.isnan(out[1:]).all()
 
 
 @emulator

@@ -214,6 +214,27 @@ def test_perplexity_cli_refuses_bad_requests_in_one_line(tiny, tmp_path, capsys)
     assert "20 tokens of" in capsys.readouterr().out
 
 
+def test_the_pinned_decode_path_gives_an_id_outside_the_table_nan_logits(tiny):
+    """On the one-token decode path (no guard ops) the pinned route's embedding kernel itself
+    gives an id outside the table a NaN row, so its logits are NaN; a valid id after it, on a
+    fresh cache, decodes as it would have."""
+    import mlx.core as mx
+
+    model, _ = load(tiny("muse-glimmer"), route="pinned")
+    V = model.cfg.vocab_size
+    for bad in (V, -1):
+        cache = model.make_cache()
+        model(mx.array([[3, 5]]), cache)
+        assert model.uses_decode_path(mx.array([[bad]]), cache)
+        assert np.isnan(np.array(model(mx.array([[bad]]), cache))).all(), bad
+    good = []
+    for _ in range(2):
+        cache = model.make_cache()
+        model(mx.array([[3, 5]]), cache)
+        good.append(np.array(model(mx.array([[7]]), cache)))
+    assert np.isfinite(good[0]).all() and np.array_equal(good[0], good[1])
+
+
 @pytest.mark.parametrize("route", ["stock", "pinned"])
 def test_an_id_outside_the_vocabulary_gives_nan_logits_not_a_crash(tiny, route):
     """model(ids) does not read the ids back; an id past the table reads row 0 and makes its row NaN

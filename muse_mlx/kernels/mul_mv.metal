@@ -1005,13 +1005,20 @@ MUSE_FN float lane_group_sum(float v) {
 // ==== kernel: dequant_at_f32
 // Rows tokens[0..T-1] of a raw Q4_K (TYPE 0) or Q6_K (TYPE 1) matrix -> float32, bit-equal to
 // gguf-py: the embedding lookup, gather and dequantization in one dispatch, one quad per thread.
-// A token id past the table reads its last row (ids are checked against the vocabulary before
-// they reach the device; this keeps a bad one from reading outside the table).
+// A token id outside the table (negative ids are past it as uint) gives a row of NaN, read from
+// nowhere: the model's other paths give such an id NaN logits too (Model.embed's guard), which
+// generation reports, where the one-token decode path would otherwise go on with a wrong row.
 // inputs: w [R, ROWB] (uint8), tokens [T] (int32), count (element 0) (T * KQ); outputs: out [T, 4*KQ];
 // templates TYPE, R (rows), ROWB (bytes per row), KQ (quads per row)
     const uint s = thread_position_in_grid.x;
     if (s >= count[0]) return;
-    const uint row = min(uint(tokens[s / KQ]), uint(R - 1));
+    const uint row = uint(tokens[s / KQ]);
+    if (row >= uint(R)) {
+        const float quiet_nan = as_type<float>(0x7FC00000u);
+        const float4 none = {quiet_nan, quiet_nan, quiet_nan, quiet_nan};
+        ((device float4*)out)[s] = none;
+        return;
+    }
     ((device float4*)out)[s] = dequant4<TYPE>(w + (ulong)row * ROWB, s % KQ, 0);  // raw rows only
 
 // ==== kernel: mul_mv_q4_K_q8_multi

@@ -1028,12 +1028,15 @@ def dequantize_rows(w: mx.array, kind: str, dtype=mx.float32, which=None, tile: 
 def embed_rows(w: mx.array, tokens: mx.array, kind: str, which=None) -> mx.array:
     """Rows ``tokens`` of raw Q4_K/Q6_K rows ``w [R, row_bytes]`` as float32 ``[*tokens.shape, K]``,
     bit-equal to gguf-py: ``dequantize_rows(w[tokens], kind)`` in one dispatch (MLX 0.32's CUDA
-    gather of one 3.7 KB row from the release vocabulary took ~200 us, measured with CUPTI)."""
+    gather of one 3.7 KB row from the release vocabulary took ~200 us, measured with CUPTI). An id
+    outside ``0..R-1`` gives a row of NaN (the table is never read outside its rows)."""
     if kind not in ("q4_K", "q6_K"):  # a split matrix has no rows to gather (its d's lie apart)
         raise ValueError(f"embed_rows reads raw Q4_K/Q6_K rows, not {kind!r}")
     which = which or backend()
     if which == "cpu":
-        return dequantize_rows(w[tokens], kind, which=which)
+        ok = (tokens >= 0) & (tokens < w.shape[0])
+        rows = dequantize_rows(w[mx.where(ok, tokens, 0)], kind, which=which)
+        return mx.where(ok[..., None], rows, float("nan"))
     kq = w.shape[1] // BLOCK_BYTES[kind] * 64
     count = tokens.size * kq
     (out,) = _DEQ_AT(
