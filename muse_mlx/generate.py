@@ -312,8 +312,8 @@ def _print_stats(model, last: GenerationResponse | None) -> None:
     which = backend()
     built = variants_launched(which)
     if built:  # why a process's first prompt is slow, where it is
-        why = (": on CUDA NVRTC compiles each, about 1 s, in every process, mostly inside the prompt's time"
-               if which == "cuda" else "")
+        why = (": on CUDA NVRTC compiles each, about a second, in every process, mostly inside the prompt's time"
+               " (MUSE_MLX_CUDA_PREBUILD=1 keeps them)" if which == "cuda" else "")
         print(f"Kernel variants built at their first launch in this process: {built}{why}")
 
 

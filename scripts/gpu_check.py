@@ -1045,13 +1045,72 @@ def transcendental_ulps(rng, quick=False):
                 note="the ULP bound of this GPU's function")
 
 
+def _mlx_printed_source(run) -> str:
+    """The source MLX prints for a kernel call made by ``run()`` with ``verbose=True`` (C++'s
+    standard output, read from file descriptor 1)."""
+    with tempfile.TemporaryFile() as f:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        try:
+            mx.eval(run())
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        text = f.read().decode()
+    return text.split("```\n", 1)[1].rsplit("\n```", 1)[0]
+
+
+def check_prebuild(rng, quick=False):
+    """``MUSE_MLX_CUDA_PREBUILD``'s reading of MLX (CUDA only): (1) the source MLX prints for a
+    probe kernel is ``cuda_prebuild``'s, character for character, so the module names agree; (2) MLX
+    runs a module written ahead under that name: the probe's cubin, written first, adds 2 where the
+    text MLX gets adds 1; (3) a real kernel built ahead (``rms_norm_mul`` at a width no other section
+    uses) gives its oracle's bits."""
+    from muse_mlx.kernels import cuda_prebuild as cp
+
+    if WHICH != "cuda":
+        print("prebuild: CUDA only; skipped")
+        return
+    tag = f"{os.getpid()}_{time.time_ns() % 10**9}"  # a kernel no process has built before
+    probe_k = Kernel(None, f"prebuild_probe_{tag}", ["x"], ["y"], body="y[0] = x[0] + 1.0f;\n")
+    x = mx.array([5.0], dtype=mx.float32)
+    launch = dict(output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                  which=WHICH)
+    header, body = probe_k.launch_texts(None)
+    name = cp.mlx_kernel_name(probe_k.name, [("N", 3)])
+    want = cp.MLX_DEFAULT_HEADER + cp.mlx_source(name, header, body, ["x"], [mx.float32], ["y"], [mx.float32],
+                                                 [("N", 3)])
+    printed = _mlx_printed_source(lambda: probe_k([x], template=[("N", 3)], verbose=True, **launch))
+    same = printed == want
+    print(f"{'PASS' if same else 'FAIL'}  MLX's printed source == cuda_prebuild.mlx_source  ({len(printed)} chars)")
+    if not same:
+        import difflib
+        print("".join(difflib.unified_diff(want.splitlines(True), printed.splitlines(True), "ours", "MLX's")))
+    RESULTS.append(dict(kernel="cuda_prebuild.mlx_source == MLX's printed source", case="probe, template N=3",
+                        n=1, mismatches=int(not same), max_ulp=0, exact=True, ok=same, note=""))
+    nvrtc = cp._Nvrtc()
+    plus_two = lambda src, k, arch: nvrtc.compile(src.replace("+ 1.0f", "+ 2.0f"), k, cp._arch())  # noqa: E731
+    path = cp.ensure(probe_k.name, header, body, ["x"], [x], ["y"], [mx.float32], [("N", 4)], compiler=plus_two)
+    print(f"      wrote {path}")
+    (y,) = probe_k([x], template=[("N", 4)], **launch)
+    compare("MLX runs the module cuda_prebuild wrote", "probe: 5 + 2 (its text: 5 + 1)", y, mx.array([7.0]))
+    with env("MUSE_MLX_CUDA_PREBUILD", "1"):
+        n = 1184
+        xs, w = randn(rng, 3, n), randn(rng, n, scale=0.5)
+        nth = K.norm_threads(n, "seeds")
+        compare("rms_norm_mul built ahead", f"3x{n} seeds", gpu(K.rms_norm_mul, xs, w, 1e-5, geometry="seeds"),
+                rms_norm.rms_norm_mul_oracle(xs, w, 1e-5, None, nth))
+
+
 SECTIONS = dict(norms=check_norms, tails=check_tails, matvecs=check_matvecs, ffn=check_ffn,
                 geometries=check_geometries, decode_kernels=check_decode_kernels, q4_forms=check_q4_forms,
                 glu_warps=check_glu_warps, head_warps=check_head_warps, mv_warps=check_mv_warps,
                 kind_geometries=check_kind_geometries, q4_stages=check_q4_stages, q6_stages=check_q6_stages, q8=check_q8, q8_q6k=check_q8_q6k, q6k_split=check_q6k_split,
                 stock_q6k=check_stock_q6k,
                 decode_step=check_decode_step, q8_outputs=check_q8_outputs, kv_through=check_kv_through,
-                q8_tiles=check_q8_tiles, logits=check_logits,
+                q8_tiles=check_q8_tiles, logits=check_logits, prebuild=check_prebuild,
                 transcendentals=transcendental_ulps)
 
 

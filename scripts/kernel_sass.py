@@ -13,9 +13,12 @@ instructions (NOPs excluded), counts of key opcodes, the widths of the global lo
 hottest loop (the backward branch whose body holds the most FFMA/IDP): its instructions per
 iteration and, for the matvecs, per weight one lane handles in one iteration. Each line also gives
 the compile's own seconds, and the last line their count and sum beside an empty kernel behind the
-same header, with and without cooperative_groups.h: what a process pays at a variant's first launch
-when MLX's disk cache of cubins does not hold it (MLX compiles one variant at a time; these are one
-core's seconds of this machine, and MLX's own utils.cuh, left out here, adds to each).
+same header, with and without cooperative_groups.h: what every process pays at a variant's first
+launch, since MLX never writes a custom kernel's build to its disk cache (MLX compiles one variant at
+a time; these are one core's seconds of this machine, and MLX's own utils.cuh, left out here, adds to
+each). ``--own-header`` compiles behind what ``MUSE_MLX_CUDA_PREBUILD`` uses instead
+(``kernels/cuda_prebuild.py``), and ``--prebuild DIR`` times that module building every variant into
+DIR and then finding them.
 
 Record mode would pick Metal's/ggml's geometry ("tuned" has no "record" entry), so the calls here
 pass the CUDA "tuned" geometry explicitly; ``MUSE_MLX_MV_GEOMETRY``, ``MUSE_MLX_MV_GEOMETRY_Q6K`` and
@@ -79,7 +82,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from muse_mlx import kernels as K  # noqa: E402
-from muse_mlx.kernels import attention, mul_mv  # noqa: E402
+from muse_mlx.kernels import attention, cuda_prebuild, mul_mv  # noqa: E402
 from muse_mlx.kernels.backend import Kernel, bounded_name  # noqa: E402
 
 from environment import env  # noqa: E402
@@ -175,8 +178,8 @@ class Toolchain:
                 raise ToolError(f"{self.nvcc} has no ptxas beside it or on PATH\n" + INSTALL)
             self.includes = include_dirs(self.nvcc)
         else:
-            self.nvrtc, lib = self._load_nvrtc(first)
-            self.includes = include_dirs(lib)
+            self.nvrtc, self.nvrtc_path = self._load_nvrtc(first)
+            self.includes = include_dirs(self.nvrtc_path)
         if not (self.nvdisasm or self.cuobjdump):
             raise ToolError("no nvdisasm or cuobjdump (needed for the SASS)\n" + INSTALL)
 
@@ -525,9 +528,12 @@ def short_template(tmpl) -> str:
     return " ".join(f"{k}={int(v)}" for k, v in (tmpl or []))
 
 
-def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool, as_launched: bool = False) -> dict:
+def analyse(tc: Toolchain, labels, c, tmp: Path, want_sass: bool, as_launched: bool = False,
+            own_header: bool = False) -> dict:
     kernel = c["kernel"]
     header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
+    if own_header:  # what MUSE_MLX_CUDA_PREBUILD compiles behind: CUDA's half and bfloat16 headers alone
+        header = cuda_prebuild.OWN_HEADER
     src = header + Kernel.recorded_source(c, as_launched)
     start = time.perf_counter()
     cubin, log = tc.compile(src, tmp)
@@ -619,6 +625,13 @@ def main(argv=None) -> int:
     ap.add_argument("--as-launched", action="store_true",
                     help="compile the source as MLX gets it (header and body behind #include lines, "
                          "backend.Kernel.launch_texts) instead of the texts themselves")
+    ap.add_argument("--own-header", action="store_true",
+                    help="compile behind cuda_prebuild.OWN_HEADER (what MUSE_MLX_CUDA_PREBUILD builds with) instead of "
+                         "the CUDA headers MLX's default header includes: diff the --keep folders' .sass of a run "
+                         "with and one without it")
+    ap.add_argument("--prebuild", metavar="DIR",
+                    help="(NVRTC) build every selected variant as MUSE_MLX_CUDA_PREBUILD does, into DIR as MLX's cache "
+                         "folder, twice: the first pass compiles, the second finds the files; prints both times")
     a = ap.parse_args(argv)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends us quietly
 
@@ -646,6 +659,8 @@ def main(argv=None) -> int:
     if not calls:
         print("kernel_sass: no kernel matches", file=sys.stderr)
         return 1
+    if a.prebuild:
+        return prebuild_all(tc, calls, Path(a.prebuild))
     ops = a.ops.split(",") if a.ops else list(KEY_OPS)
     print(f"# {tc.describe()}", file=sys.stderr if a.sass else sys.stdout)
     keep = Path(a.keep) if a.keep else None
@@ -655,7 +670,7 @@ def main(argv=None) -> int:
     for k, (labels, c) in enumerate(calls):
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                r = analyse(tc, labels, c, Path(tmp), a.sass or bool(keep), a.as_launched)
+                r = analyse(tc, labels, c, Path(tmp), a.sass or bool(keep), a.as_launched, a.own_header)
             except ToolError as e:
                 print(f"{c['kernel'].name} {short_template(c['template'])}: {e}", file=sys.stderr)
                 return 1
@@ -673,15 +688,41 @@ def main(argv=None) -> int:
         print_line(r, ops)
         if a.loops:
             print_loops(r)
-    print(compile_summary(tc, seconds), file=sys.stderr if a.sass else sys.stdout)
+    print(compile_summary(tc, seconds, a.own_header), file=sys.stderr if a.sass else sys.stdout)
     return 0
 
 
-def header_seconds(tc: Toolchain, groups: bool = True) -> float:
+def prebuild_all(tc: Toolchain, calls, folder: Path) -> int:
+    """Every call's variant through ``cuda_prebuild.ensure`` into ``folder`` (as ``MLX_PTX_CACHE_DIR``)
+    with this toolchain's NVRTC, twice: what a first process and a later one pay at first launches."""
+    if tc.compiler != "nvrtc":
+        print("kernel_sass: --prebuild needs --compiler nvrtc (the library cuda_prebuild calls)", file=sys.stderr)
+        return 2
+    nvrtc = cuda_prebuild._Nvrtc(tc.nvrtc_path, tc.includes)
+    compiler = lambda src, kernel, arch: nvrtc.compile(src, kernel, tc.arch)  # noqa: E731
+    print(f"# NVRTC {nvrtc.version[0]}.{nvrtc.version[1]} ({tc.nvrtc_path}), arch {tc.arch}, into {folder}")
+    os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
+    for label in ("first process (builds)", "later process (finds)"):
+        seconds, left = [], 0
+        for _, c in calls:
+            k = c["kernel"]
+            header, body = k.launch_texts(c["bounds"])
+            start = time.perf_counter()
+            path = cuda_prebuild.ensure(bounded_name(k.name, c["bounds"]), header, body, k.inputs, c["inputs"],
+                                        k.outputs, c["output_dtypes"], c["template"], compiler=compiler)
+            seconds.append(time.perf_counter() - start)
+            left += path is None
+        ordered = sorted(seconds)
+        print(f"# {label}: {len(seconds) - left} variants, {left} left to MLX, {sum(seconds):.2f} s in all, "
+              f"median {ordered[len(ordered) // 2]:.3f} s, the dearest {ordered[-1]:.3f} s")
+    return 0
+
+
+def header_seconds(tc: Toolchain, groups: bool = True, own: bool = False) -> float:
     """The fastest of three compiles of an empty kernel behind the header every unit here starts
     with (CUDA's headers that MLX's default header includes, minus MLX's own utils.cuh): the part of
     each compile that no kernel of ours can remove. ``groups=False``: without cooperative_groups.h."""
-    header = NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
+    header = cuda_prebuild.OWN_HEADER if own else NVRTC_HEADER if tc.compiler == "nvrtc" else HEADER
     if not groups:
         header = header.replace("#include <cooperative_groups.h>\n", "")
     src = header + "__global__ void custom_kernel_empty(float* out) { out[0] = 0.0f; }\n"
@@ -694,12 +735,15 @@ def header_seconds(tc: Toolchain, groups: bool = True) -> float:
     return best
 
 
-def compile_summary(tc: Toolchain, seconds: list[float]) -> str:
+def compile_summary(tc: Toolchain, seconds: list[float], own: bool = False) -> str:
     """One line: the compiles' count, total and median, beside the header's own cost. MLX compiles
-    each kernel variant (name, source, template values) at its first launch in a process, one after
-    another, unless its cubin is in MLX's disk cache; these are one CPU core's seconds here."""
+    each kernel variant (name, source, template values) at its first launch in every process, one
+    after another (it keeps no custom kernel's build on disk); these are one CPU core's seconds here."""
     ordered = sorted(seconds)
     median = ordered[len(ordered) // 2] if ordered else 0.0
+    if own:
+        return (f"# {len(seconds)} compiles, {sum(seconds):.1f} s in all, median {median:.2f} s; an empty kernel "
+                f"behind the same header (cuda_prebuild's) {header_seconds(tc, own=True):.2f} s")
     return (f"# {len(seconds)} compiles, {sum(seconds):.1f} s in all, median {median:.2f} s; an empty kernel "
             f"behind the same header {header_seconds(tc):.2f} s, {header_seconds(tc, groups=False):.2f} s "
             "without cooperative_groups.h")

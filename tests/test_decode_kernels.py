@@ -257,11 +257,11 @@ def test_embedding_kernel_is_gguf_py_of_the_rows(kind):
     got = emulate_recorded(K.embed_rows, w, tokens, kind)
     assert got.shape == (2, 3, 512)
     assert_bits_equal(got, table[np.array(tokens)])
-    bad = mx.array([5, 37, -1, 40], dtype=mx.int32)
-    for out in (emulate_recorded(K.embed_rows, w, bad, kind), K.embed_rows(w, bad, kind, which="cpu")):
-        out = np.array(out)
-        assert_bits_equal(out[0], table[5])
-        assert np.isnan(out[1:]).all()
+    for bad in (mx.array([5, 37, -1, 40], dtype=mx.int32), mx.array([5, 37, -1, 2**32 + 3], dtype=mx.int64)):
+        for out in (emulate_recorded(K.embed_rows, w, bad, kind), K.embed_rows(w, bad, kind, which="cpu")):
+            out = np.array(out)
+            assert_bits_equal(out[0], table[5])
+            assert np.isnan(out[1:]).all()  # (2**32 + 3 as int32 would be row 3)
 
 
 @emulator

@@ -122,6 +122,25 @@ def test_cli_default_demo_model(tmp_path):
         assert not any(line.startswith("Kernel variants") for line in lines)
 
 
+def test_stats_report_the_kernel_builds_where_kernels_run(monkeypatch, capsys, tiny):
+    """The statistics name how many kernel variants the process built, with the reason on CUDA,
+    and say nothing of them where none were built (the CPU)."""
+    import muse_mlx.generate as G
+
+    model = load(tiny("muse-glimmer"))[0]
+    last = G.GenerationResponse("x", 1, None, 3, 10.0, 4, 20.0, 0.1, None)
+    for which, count, want in (("cuda", 23, "this process: 23: on CUDA NVRTC"), ("metal", 5, "this process: 5\n"),
+                               ("cuda", 0, None)):
+        monkeypatch.setattr(G, "backend", lambda which=which: which)
+        monkeypatch.setattr(G, "variants_launched", lambda w, count=count, which=which: count if w == which else 0)
+        G._print_stats(model, last)
+        out = capsys.readouterr().out
+        if want is None:
+            assert "Kernel variants" not in out
+        else:
+            assert "Kernel variants built at their first launch in " + want in out
+
+
 def test_cli_with_model_and_chat_template(tiny):
     r = _cli("--model", str(tiny("gemma2")), "--prompt", "Hi", "--system-prompt", "Be brief.",
              "--max-tokens", "4", "--verbose", "False")

@@ -608,9 +608,9 @@ def test_cuda_sources_inline_on_request_or_when_the_folder_fails(tmp_path, monke
 
 
 def test_variants_launched_counts_what_mlx_builds_apart(monkeypatch):
-    """``variants_launched`` counts a kernel once per launch bounds, template values and dtypes
-    (what MLX builds, and on CUDA compiles, apart), per GPU backend; a repeat or a recorded call
-    adds nothing."""
+    """``variants_launched`` counts a kernel once per launch bounds, template values, input and
+    output dtypes and (on CUDA) source form, what MLX builds, and on CUDA compiles, apart; per GPU
+    backend; a repeat or a recorded call adds nothing."""
     from muse_mlx.kernels.backend import variants_launched
 
     monkeypatch.setattr(Kernel, "launched", set())
@@ -618,8 +618,8 @@ def test_variants_launched_counts_what_mlx_builds_apart(monkeypatch):
     monkeypatch.setattr(k, "build", lambda which, bounds=None: (lambda **kw: [mx.zeros((1,))]))
     x32, x16 = mx.zeros((4,)), mx.zeros((4,), dtype=mx.float16)
 
-    def launch(x, n, which="cuda", min_blocks=0):
-        k([x], [(1,)], [mx.float32], (32, 1, 1), (32, 1, 1), [("N", n)], which=which, min_blocks=min_blocks)
+    def launch(x, n, which="cuda", min_blocks=0, out=mx.float32):
+        k([x], [(1,)], [out], (32, 1, 1), (32, 1, 1), [("N", n)], which=which, min_blocks=min_blocks)
 
     launch(x32, 4)
     launch(x32, 4)
@@ -627,11 +627,15 @@ def test_variants_launched_counts_what_mlx_builds_apart(monkeypatch):
     launch(x32, 8)
     launch(x16, 8)
     launch(x32, 8, min_blocks=2)
-    assert variants_launched("cuda") == 4
+    launch(x32, 8, out=mx.float16)
+    assert variants_launched("cuda") == 5
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE", "inline")  # another text for MLX, another module
+    launch(x32, 4)
+    assert variants_launched("cuda") == 6
     launch(x32, 4, which="metal")
-    assert variants_launched("metal") == 1 and variants_launched() == 5
+    assert variants_launched("metal") == 1 and variants_launched() == 7
     launch(x32, 16, which="record")
-    assert variants_launched() == 5
+    assert variants_launched() == 7
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

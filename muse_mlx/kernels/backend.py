@@ -25,6 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from . import cuda_prebuild
+
 HERE = Path(__file__).parent
 METAL_PRELUDE = "#define MUSE_FN inline\n#define MUSE_TG threadgroup\n"
 _MARK = re.compile(r"^// ==== (header|(?:kernel|part): (\w+))\s*$", re.M)
@@ -258,8 +260,9 @@ def backend() -> str:
 def variants_launched(which: str | None = None) -> int:
     """How many kernel variants (a kernel with one set of launch bounds, template values and
     dtypes) this process has launched on backend ``which`` (default: every GPU backend). MLX builds
-    each at its first launch: on CUDA one NVRTC compile of about 1.2 s (thirty-second session,
-    docs/performance.md), in every process, since MLX keeps no custom kernel's build on disk."""
+    each at its first launch: on CUDA one NVRTC compile of about a second (1.04-1.86 s on a 2-core
+    CPU: thirty-second session, docs/performance.md), in every process, since MLX keeps no custom
+    kernel's build on disk (``MUSE_MLX_CUDA_PREBUILD``: :mod:`.cuda_prebuild`)."""
     return sum(1 for v in Kernel.launched if which is None or v[0] == which)
 
 
@@ -427,6 +430,7 @@ class Kernel:
         self.uses = uses  # other families whose header helpers the body calls
         self.parts = parts  # sections whose texts, in order, are the body (default: the kernel's own)
         self._built = {}
+        self._texts = {}  # on CUDA, per build: the (header, body) MLX got, for cuda_prebuild
 
     @property
     def body(self) -> str:
@@ -452,7 +456,7 @@ class Kernel:
                     name=self.name, input_names=self.inputs, output_names=self.outputs, source=source, header=header,
                 )
             elif which == "cuda":
-                header, source = self.launch_texts(bounds)
+                header, source = self._texts[key] = self.launch_texts(bounds)
                 self._built[key] = mx.fast.cuda_kernel(
                     name=bounded_name(self.name, bounds), input_names=self.inputs, output_names=self.outputs,
                     source=source, header=header,
@@ -531,9 +535,16 @@ class Kernel:
             ))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
         k = self.build(which, bounds)
-        # (about 1.6 us a call on a 2-core CI machine; an uncompiled launch costs MLX's host ~20 us)
-        Kernel.launched.add((which, self.name, bounds, tuple(template or ()),
-                             tuple(getattr(a, "dtype", None) for a in inputs), tuple(output_dtypes)))
+        # (about 2 us a call on a 2-core CI machine; an uncompiled launch costs MLX's host ~20 us)
+        mode = cuda_source_mode() if which == "cuda" else None
+        variant = (which, self.name, bounds, mode, tuple(template or ()), tuple(getattr(a, "dtype", None) for a in inputs),
+                   tuple(output_dtypes))
+        if variant not in Kernel.launched:
+            Kernel.launched.add(variant)
+            if which == "cuda" and cuda_prebuild.enabled():  # MLX reads the module this writes
+                header, body = self._texts[(which, bounds, mode)]
+                cuda_prebuild.ensure_or_warn(bounded_name(self.name, bounds), header, body, self.inputs, inputs,
+                                             self.outputs, output_dtypes, template)
         return k(
             inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
             grid=grid, threadgroup=threadgroup, template=template, **kw,

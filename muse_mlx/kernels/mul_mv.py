@@ -1039,6 +1039,8 @@ def embed_rows(w: mx.array, tokens: mx.array, kind: str, which=None) -> mx.array
         return mx.where(ok[..., None], rows, float("nan"))
     kq = w.shape[1] // BLOCK_BYTES[kind] * 64
     count = tokens.size * kq
+    if tokens.dtype in (mx.int64, mx.uint64):  # an id past 32 bits would wrap into the table
+        tokens = mx.where((tokens < 0) | (tokens >= w.shape[0]), -1, tokens)
     (out,) = _DEQ_AT(
         [w, tokens.astype(mx.int32).reshape(-1), constant(count, mx.uint32)], [(*tokens.shape, 4 * kq)],
         [F32], grid=(count, 1, 1), threadgroup=(min(256, count), 1, 1),
