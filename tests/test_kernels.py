@@ -638,6 +638,34 @@ def test_variants_launched_counts_what_mlx_builds_apart(monkeypatch):
     assert variants_launched() == 7
 
 
+def test_every_kernel_can_be_built_ahead_of_mlx(tmp_path, monkeypatch):
+    """MUSE_MLX_CUDA_PREBUILD takes every recorded launch (none asks for shapes or has a type MLX
+    passes by a type of its own, which it would leave to MLX), and gives different texts different
+    module files: one compile per distinct translation unit, in MLX's naming."""
+    from muse_mlx.kernels import cuda_prebuild as cp
+    from muse_mlx.kernels.backend import bounded_name
+
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE_DIR", str(tmp_path / "src"))
+    units = {}
+
+    def fake(source, kernel, arch):
+        units.setdefault(source, kernel)
+        return b"cubin", "_Z1k"
+
+    calls = record_all_kernels()
+    paths = set()
+    for c in calls:
+        k = c["kernel"]
+        header, body = k.launch_texts(c["bounds"])
+        path = cp.ensure(bounded_name(k.name, c["bounds"]), header, body, k.inputs, c["inputs"], k.outputs,
+                         c["output_dtypes"], c["template"], compiler=fake)
+        assert path is not None, k.name
+        paths.add(path)
+    assert len(paths) == len(units) > 40, len(units)
+    assert all(p.is_file() and p.with_suffix(".txt").is_file() for p in paths)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
 def test_cuda_translation_of_every_kernel_compiles(tmp_path):
     """The same bodies behind prelude.cuh, as mx.fast.cuda_kernel assembles them, through nvcc."""
