@@ -285,12 +285,9 @@ class Model(nn.Module):
                  positions=None) -> mx.array:
         """``positions`` (decode only): ``(pos, slots)`` -- the token's position as an int32 [1]
         array and each layer's cache slot (ints or int32 [1] arrays); by default from the caches.
-        An id outside the vocabulary gives NaN logits (:meth:`embed`'s guard). The one-token
-        decode path, whose ids come from the model's own sampling, stays without the guard's two
-        ops: there the pinned route's embedding kernel (Q4_K/Q6_K tables) gives such an id a NaN
-        row by itself, but MLX's gather (the stock route, other tables) reads past the table, so
-        callers with untrusted ids check them first, as ``generate`` and ``compare`` do (reading
-        them back from the device at every call would cost more)."""
+        An id outside the vocabulary gives NaN logits: :meth:`embed`'s guard, or, on the one-token
+        decode path (the pinned route's, without the guard's ops), the route's embedding itself
+        (``PinnedRoute.embed``). ``generate`` and ``compare`` refuse such ids before they run."""
         cfg, route = self.cfg, self.route
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")

@@ -332,11 +332,14 @@ class PinnedRoute(Route):
         return super().project(x, ws)
 
     def embed(self, table, tokens):
-        # the same exact dequantization as QEmbedding's MLX ops, in one dispatch
+        # the same exact dequantization as QEmbedding's MLX ops, in one dispatch; like the kernel,
+        # the other tables give an id outside them a row of NaN (MLX's gather does not check its
+        # indices, and the one-token decode path has no guard of its own: Model.__call__)
         if table.qtype in _KIND:
             self.count("dequant_at")
             return kernels.embed_rows(table.weight, tokens, _KIND[table.qtype])
-        return table(tokens)
+        ok = (tokens >= 0) & (tokens < table.weight.shape[0])
+        return mx.where(ok[..., None], table(mx.where(ok, tokens, 0)), float("nan"))
 
     def fast_decode(self, cfg) -> bool:
         from .kernels.attention import partial_threadgroup_bytes

@@ -214,13 +214,14 @@ def test_perplexity_cli_refuses_bad_requests_in_one_line(tiny, tmp_path, capsys)
     assert "20 tokens of" in capsys.readouterr().out
 
 
-def test_the_pinned_decode_path_gives_an_id_outside_the_table_nan_logits(tiny):
-    """On the one-token decode path (no guard ops) the pinned route's embedding kernel itself
-    gives an id outside the table a NaN row, so its logits are NaN; a valid id after it, on a
-    fresh cache, decodes as it would have."""
+@pytest.mark.parametrize("mix", ["q4_k_m", "q8_0"])
+def test_the_pinned_decode_path_gives_an_id_outside_the_table_nan_logits(tiny, mix):
+    """On the one-token decode path (no guard ops) the pinned route's embedding itself gives an
+    id outside the table a NaN row, the Q4_K table through its kernel, a Q8_0 one through MLX's
+    gather, so its logits are NaN; a valid id after it, on a fresh cache, decodes as before."""
     import mlx.core as mx
 
-    model, _ = load(tiny("muse-glimmer"), route="pinned")
+    model, _ = load(tiny("muse-glimmer", mix=mix), route="pinned")
     V = model.cfg.vocab_size
 
     def decode(token):
