@@ -562,7 +562,10 @@ def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dic
     and, of the median run, the time per token spent building and queueing the steps and waiting
     in ``item()`` (see :func:`decode_tokens` for what each includes)."""
     runs_out = []
+    built, warm_start = K.variants_launched(), time.perf_counter()
     for run in range(runs + 1):  # the first run warms up (kernel builds, the compile trace)
+        if run == 1:
+            warm_s, built = time.perf_counter() - warm_start, K.variants_launched() - built
         cache = model.make_cache()
         fill_cache(model, cache, ctx, rng)
         step = greedy_step(model, cache, ctx + n_tokens + 2, compiled)
@@ -578,7 +581,8 @@ def decode_rate(model, ctx: int, n_tokens: int, runs: int, compiled, rng) -> dic
         del cache
     rates = [r for r, _, _ in runs_out]
     _, host, wait = sorted(runs_out)[len(runs_out) // 2]
-    return dict(ctx=ctx, tok_s=statistics.median(rates), runs=rates, host_ms=host * 1e3, wait_ms=wait * 1e3)
+    return dict(ctx=ctx, tok_s=statistics.median(rates), runs=rates, host_ms=host * 1e3, wait_ms=wait * 1e3,
+                warm_s=warm_s, variants_built=built)
 
 
 def dispatch_count(model, ctx: int, rng) -> dict:
@@ -798,7 +802,8 @@ def main(argv=None) -> int:
                 log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}{setting}: {r['tok_s']:7.1f} tok/s = "
                     f"{r['tb_s']:.3f} TB/s ({r['of_copy']:.0%} of copy); runs {[round(x, 1) for x in r['runs']]}; "
                     f"per token {r['host_ms']:.2f} ms building and queueing (MLX's own waits included), "
-                    f"{r['wait_ms']:.2f} ms waiting in item()")
+                    f"{r['wait_ms']:.2f} ms waiting in item(); warm-up {r['warm_s']:.1f} s"
+                    + (f", {r['variants_built']} kernel variants built" if r["variants_built"] else ""))
             if any(name in FORM_SWITCHES for name, _ in settings):  # the weights back in the form the environment asks
                 model.set_flags(model.route.flags)
             entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
