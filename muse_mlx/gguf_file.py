@@ -25,6 +25,22 @@ _INT_TYPES = {
 _FLOAT_TYPES = {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64}
 
 
+class _Reader(GGUFReader):
+    """``gguf.GGUFReader``, its mapping held as a plain ndarray view of the memmap: the same fields,
+    tensors and zero-copy views (the mapping lives as long as any view of it), but every slice the
+    reader takes (one or more per metadata element: 600,000 for a 202,048-token vocabulary) skips
+    ``np.memmap``'s per-slice bookkeeping, which took two thirds of opening such a file (8.9 against
+    2.8 s on a 2-core CPU, thirty-second session)."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value) -> None:  # GGUFReader.__init__ assigns its np.memmap here
+        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
 class GGUFFile:
     """A GGUF file opened read-only through ``gguf.GGUFReader``."""
 
@@ -36,7 +52,7 @@ class GGUFFile:
             raise GGUFError(self.path, "not a regular file")
         check_gguf(self.path)  # counts, lengths, extents and types, before the reader trusts them
         try:
-            self.reader = GGUFReader(self.path, "r")
+            self.reader = _Reader(self.path, "r")
         except Exception as e:  # the reader raises ValueError/KeyError/IndexError on bad input
             raise GGUFError(self.path, f"cannot parse the GGUF structure: {e}") from None
         self.tensors = {t.name: t for t in self.reader.tensors}

@@ -119,3 +119,27 @@ def test_every_architecture_builds_its_own_graph_switches(tiny, arch_name):
     }[arch_name]
     for key, value in expect.items():
         assert getattr(cfg, key) == value, key
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "q8_0", "f16"])
+def test_the_gguf_reader_parses_as_gguf_pys_own(tiny, arch, mix):
+    """GGUFFile's reader (gguf-py's, its mapping a plain ndarray view) gives gguf-py's GGUFReader's
+    fields, values and tensors, and tensor data that is a read-only view of the file, not a copy."""
+    from gguf import GGUFReader
+
+    from muse_mlx.gguf_file import GGUFFile
+
+    path = tiny(arch, mix)
+    ours, theirs = GGUFFile(path).reader, GGUFReader(path, "r")
+    assert not isinstance(ours.data, np.memmap) and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, a in theirs.fields.items():
+        b = ours.fields[key]
+        assert (a.offset, a.name, a.types, a.data) == (b.offset, b.name, b.types, b.data), key
+        assert all(np.array_equal(x, y) for x, y in zip(a.parts, b.parts)), key
+        assert a.contents() == b.contents(), key
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in theirs.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset, t.n_bytes) for t in ours.tensors]
+    for a, b in zip(theirs.tensors, ours.tensors):
+        assert np.array_equal(a.data, b.data) and not b.data.flags.writeable
+        assert np.shares_memory(b.data, ours.data)
