@@ -1091,7 +1091,7 @@ def check_prebuild(rng, quick=False):
     RESULTS.append(dict(kernel="cuda_prebuild.mlx_source == MLX's printed source", case="probe, template N=3",
                         n=1, mismatches=int(not same), max_ulp=0, exact=True, ok=same, note=""))
     nvrtc = cp._Nvrtc()
-    plus_two = lambda src, k, arch: nvrtc.compile(src.replace("+ 1.0f", "+ 2.0f"), k, cp._arch())  # noqa: E731
+    plus_two = lambda src, k: nvrtc.compile(src.replace("+ 1.0f", "+ 2.0f"), k, cp._arch())  # noqa: E731
     path = cp.ensure(probe_k.name, header, body, ["x"], [x], ["y"], [mx.float32], [("N", 4)], compiler=plus_two)
     print(f"      wrote {path}")
     (y,) = probe_k([x], template=[("N", 4)], **launch)

@@ -699,7 +699,7 @@ def prebuild_all(tc: Toolchain, calls, folder: Path) -> int:
         print("kernel_sass: --prebuild needs --compiler nvrtc (the library cuda_prebuild calls)", file=sys.stderr)
         return 2
     nvrtc = cuda_prebuild._Nvrtc(tc.nvrtc_path, tc.includes)
-    compiler = lambda src, kernel, arch: nvrtc.compile(src, kernel, tc.arch)  # noqa: E731
+    compiler = lambda src, kernel: nvrtc.compile(src, kernel, tc.arch)  # noqa: E731
     print(f"# NVRTC {nvrtc.version[0]}.{nvrtc.version[1]} ({tc.nvrtc_path}), arch {tc.arch}, into {folder}")
     os.environ["MLX_PTX_CACHE_DIR"] = str(folder)
     for label in ("first process (builds)", "later process (finds)"):

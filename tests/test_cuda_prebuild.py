@@ -79,7 +79,7 @@ def test_ensure_writes_what_mlx_reads_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake(source, kernel, arch):
+    def fake(source, kernel):
         calls.append((source, kernel))
         return b"\x7fELF-cubin", "_Z22custom_kernel_probe_3PKfPf"
 
@@ -150,7 +150,7 @@ def test_nvrtc_builds_a_cubin_holding_the_kernel(tmp_path, monkeypatch):
         pytest.skip(str(e))
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     path = cp.ensure("probe", "", "y[0] = x[0] + 1.0f;\n", ["x"], [mx.zeros((1,))], ["y"], [mx.float32], [("N", 3)],
-                     compiler=lambda src, k, arch: nvrtc.compile(src, k, "sm_90a"))
+                     compiler=lambda src, k: nvrtc.compile(src, k, "sm_90a"))
     mangled = path.with_suffix(".txt").read_text().split("\t")[1].strip()
     cubin = path.read_bytes()
     assert cubin[:4] == b"\x7fELF" and mangled.encode() in cubin and "custom_kernel_probe_3" in mangled

@@ -649,7 +649,7 @@ def test_every_kernel_can_be_built_ahead_of_mlx(tmp_path, monkeypatch):
     monkeypatch.setenv("MUSE_MLX_CUDA_SOURCE_DIR", str(tmp_path / "src"))
     units = {}
 
-    def fake(source, kernel, arch):
+    def fake(source, kernel):
         units.setdefault(source, kernel)
         return b"cubin", "_Z1k"
 

@@ -244,7 +244,7 @@ def ensure(name: str, header: str, body: str, input_names, inputs, output_names,
            compiler=None) -> Path | None:
     """Build a variant ahead of MLX, unless MLX's cache holds it: the file MLX will read, or None
     where this variant is left to MLX (it asks for shapes, has a dtype template or an unknown dtype).
-    ``compiler``: ``(source, kernel, arch) -> (cubin, lowered name)``, NVRTC by default."""
+    ``compiler``: ``(source, kernel) -> (cubin, lowered name)``, NVRTC for this GPU by default."""
     dtypes = [getattr(a, "dtype", None) for a in inputs]
     if asks_shapes(body, input_names) or any(d not in CUDA_TYPES for d in list(dtypes) + list(output_dtypes)):
         return None
@@ -259,12 +259,9 @@ def ensure(name: str, header: str, body: str, input_names, inputs, output_names,
     if compiler is None:
         if "nvrtc" not in _STATE:
             _STATE["nvrtc"] = _Nvrtc()
-        nvrtc = _STATE["nvrtc"]
-        compiler = lambda src, k, arch: nvrtc.compile(src, k, arch)  # noqa: E731
-        arch = _arch()
-    else:
-        arch = "sm_test"
-    cubin, mangled = compiler(OWN_HEADER + source, f"mlx::core::cu::{kernel}", arch)
+        nvrtc, arch = _STATE["nvrtc"], _arch()
+        compiler = lambda src, k: nvrtc.compile(src, k, arch)  # noqa: E731
+    cubin, mangled = compiler(OWN_HEADER + source, f"mlx::core::cu::{kernel}")
     write_module(path, kernel, cubin, mangled)
     return path
 
