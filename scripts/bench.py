@@ -56,7 +56,8 @@ from muse_mlx.routes import FLAG_NEEDS, PINNED_FLAGS, StockRoute  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB, SMALL_GEOMETRY, SMALL_VOCAB, ensure_synthetic  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry  # noqa: E402
 
-from environment import FORM_SWITCHES, describe_settings, env, env_settings, settings_in_effect  # noqa: E402
+from environment import (FORM_SWITCHES, describe_settings, env, env_settings, sets_form_switch,  # noqa: E402
+                         setting_dict, settings_in_effect)
 
 THIN_GEOMETRY = Geometry(n_layer=52, n_embd=512, n_ff=1024, n_head=32, n_head_kv=2, head_dim=128, n_ctx=8192,
                          sliding_window=4096, rms_eps=1e-5)
@@ -670,7 +671,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compiled-only", action="store_true", help="decode with mx.compile only (not also without it)")
     ap.add_argument("--env-ab", default="", help="NAME=V1,V2,...: time every decode case once per value of the "
                     "engine switch NAME (a MUSE_MLX_* variable), alternated, twice over (a switch of the weights' "
-                    "form, " + " or ".join(FORM_SWITCHES) + ", re-forms them for each value)")
+                    "form, " + " or ".join(FORM_SWITCHES) + ", re-forms them for each value); A+B=a1+b1,a2+b2,... moves "
+                    "several together")
     ap.add_argument("--kernel-reps", type=int, default=20, help="independent calls per kernel timing (default: %(default)s)")
     ap.add_argument("--sweep", action="store_true", help="time the matvecs at every launch geometry, then stop")
     ap.add_argument("--tune", action="store_true",
@@ -789,14 +791,14 @@ def main(argv=None) -> int:
             for compiled, ctx, (env_name, env_value) in [(c, x, v) for c in compiles for x in contexts for v in settings]:
                 n_tok = args.tokens if route != "stock" else max(8, args.tokens // 4)
                 with env(env_name, env_value):
-                    if env_name in FORM_SWITCHES:  # the weights in this value's form (each run makes a new step)
+                    if sets_form_switch(env_name):  # the weights in this value's form (each run makes a new step)
                         model.set_flags(model.route.flags)
                     r = decode_rate(model, ctx, n_tok, args.runs, compiled if model.route.fast_decode(model.cfg) else None, rng)
                 r.update(compiled=compiled, tb_s=wbytes * r["tok_s"] / 1e12, of_copy=wbytes * r["tok_s"] / bw,
                          of_roofline=r["tok_s"] / (bw / wbytes), of_read=wbytes * r["tok_s"] / read_bw)
                 setting = ""
                 if env_name is not None:
-                    r["env"] = {env_name: env_value}
+                    r["env"] = setting_dict(env_name, env_value)
                     setting = f" {env_name}={env_value}"
                 entry["decode"].append(r)
                 log(f"    decode ctx {ctx:5}{' compiled' if compiled else '         '}{setting}: {r['tok_s']:7.1f} tok/s = "
@@ -804,7 +806,7 @@ def main(argv=None) -> int:
                     f"per token {r['host_ms']:.2f} ms building and queueing (MLX's own waits included), "
                     f"{r['wait_ms']:.2f} ms waiting in item(); warm-up {r['warm_s']:.1f} s"
                     + (f", {r['variants_built']} kernel variants built" if r["variants_built"] else ""))
-            if any(name in FORM_SWITCHES for name, _ in settings):  # the weights back in the form the environment asks
+            if any(sets_form_switch(name) for name, _ in settings):  # the weights back in the form the environment asks
                 model.set_flags(model.route.flags)
             entry["peak_bytes"] = mx.get_peak_memory()  # of the decode runs (the prefill's are apart)
             if contexts:

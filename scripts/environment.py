@@ -11,19 +11,34 @@ import os
 
 @contextlib.contextmanager
 def env(name: str | None, value: str | None):
-    """``os.environ[name] = value`` inside the block (a ``None`` name or value: leave it as it is)."""
+    """``os.environ[name] = value`` inside the block (a ``None`` name or value: leave it as it is).
+    A joint setting, ``A+B`` with ``a+b`` (an ``--env-ab`` spec over several variables), sets each."""
     if name is None or value is None:
         yield
         return
-    old = os.environ.get(name)
-    os.environ[name] = value
+    names, values = name.split("+"), value.split("+")
+    if len(names) != len(values):
+        raise ValueError(f"{name}={value}: {len(names)} variables, {len(values)} values")
+    old = {n: os.environ.get(n) for n in names}
+    os.environ.update(zip(names, values))
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+        for n, v in old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def setting_dict(name: str | None, value: str | None) -> dict[str, str]:
+    """A setting as ``{variable: value}`` for a report: one entry per variable of a joint one."""
+    return {} if name is None or value is None else dict(zip(name.split("+"), value.split("+")))
+
+
+def sets_form_switch(name: str | None) -> bool:
+    """Whether a setting (joint or not) sets one of :data:`FORM_SWITCHES`."""
+    return name is not None and any(n in FORM_SWITCHES for n in name.split("+"))
 
 
 # Switches the engine reads when it makes a weight's form (at load and in Model.set_flags), not at
@@ -35,12 +50,17 @@ def env_settings(specs: list[str]) -> list[tuple[str | None, str | None]]:
     """The settings a measurement runs, one ``(NAME, value)`` each, from ``--env-ab`` specs
     ``NAME=V1,V2,...``: each spec's values in turn, twice over (alternated, so that a drift between
     runs shows as such), one spec after another. With no spec, one setting that leaves the
-    environment as it is, ``(None, None)``. A malformed spec raises ValueError naming it."""
+    environment as it is, ``(None, None)``. Several variables move together as ``A+B=a1+b1,a2+b2``
+    (a launch geometry with the weights' tile, say). A malformed spec raises ValueError naming it."""
     settings = []
     for spec in specs:
         name, sep, values = spec.partition("=")
-        if not sep or not name or not values:
-            raise ValueError(f"--env-ab: {spec!r} is not NAME=V1,V2,...")
+        if not sep or not name or not values or "" in name.split("+"):
+            raise ValueError(f"--env-ab: {spec!r} is not NAME=V1,V2,... (or A+B=a1+b1,a2+b2,...)")
+        width = len(name.split("+"))
+        for v in values.split(","):
+            if len(v.split("+")) != width or "" in v.split("+"):
+                raise ValueError(f"--env-ab: {spec!r}: value {v!r} does not give each of {width} variables one value")
         settings += [(name, v) for v in values.split(",") * 2]
     return settings or [(None, None)]
 

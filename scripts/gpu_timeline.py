@@ -408,7 +408,8 @@ def main(argv=None) -> int:
                     "value of the environment variable NAME (a kernel switch such as MUSE_MLX_Q8_TAIL; read when the "
                     "step is traced; a switch of the weights' form such as MUSE_MLX_Q8_TILE re-forms them through "
                     "Model.set_flags), in turn, twice over; repeated, one such sweep after another, each with the "
-                    "other sweeps' variables as the command's environment leaves them")
+                    "other sweeps' variables as the command's environment leaves them; A+B=a1+b1,a2+b2,... moves several "
+                    "variables together")
     ap.add_argument("--prefill", type=int, default=0, help="also trace one prefill of this many tokens (default: none)")
     ap.add_argument("--prefill-mode", default="batched", help="comma-separated prefill modes to trace (default: %(default)s)")
     ap.add_argument("--prefill-wait-ab", action="store_true",
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench
     import mlx.core as mx
-    from environment import describe_settings, env, env_settings, settings_in_effect
+    from environment import describe_settings, env, env_settings, setting_dict, settings_in_effect
     from muse_mlx import load_model
     from muse_mlx.synthetic import RELEASE_VOCAB, ensure_synthetic
     from muse_mlx.writer import MUSE_GLIMMER_30B
@@ -501,7 +502,7 @@ def main(argv=None) -> int:
         print_summary(s, label)
         print(f"  host wall clock: {s['wall_ms_per_token']:.3f} ms per token")
         case = dict(label=label, route=args.route, flags=list(flags), ctx=ctx, geometry=g, summary=s,
-                    records=tl.records, env={env_name: env_value} if env_name is not None else {})
+                    records=tl.records, env=setting_dict(env_name, env_value))
         if args.host:
             case["host"] = summarize_host(tl.host_records, args.tokens, wall * 1e9)
             print_host_summary(case["host"])

@@ -146,3 +146,40 @@ def test_bench_env_ab_over_a_form_switch_re_forms_the_weights(tmp_path, monkeypa
     decode = json.loads(out.read_text())["routes"][0]["decode"]
     assert [d["env"] for d in decode] == [{"MUSE_MLX_Q8_TILE": v} for v in ("1", "16", "1", "16")]
     assert prefill_forms == [{"blocks"}]
+
+
+def test_bench_env_ab_moves_several_variables_together(tmp_path, monkeypatch):
+    """--env-ab A+B=a1+b1,a2+b2: each decode case runs with both variables at that value's pair (the
+    q8 GLU's geometry with its tiles, the sweep the thirty-first session planned), the weights
+    re-formed where one of them is a form switch, and the report names each variable apart."""
+    from muse_mlx.layers import QLinear
+    from muse_mlx.model import Model
+
+    seen, set_flags = [], Model.set_flags
+
+    def spy(model, flags):
+        set_flags(model, flags)
+        forms = {m.form for n, m in model.named_modules() if isinstance(m, QLinear) and n.endswith("ffn_gate")}
+        seen.append((os.environ.get("MUSE_MLX_Q8_TILE"), os.environ.get("MUSE_MLX_Q8_PRE_GEOMETRY"), forms))
+
+    monkeypatch.setattr(Model, "set_flags", spy)
+    monkeypatch.delenv("MUSE_MLX_Q8_TILE", raising=False)
+    monkeypatch.delenv("MUSE_MLX_Q8_PRE_GEOMETRY", raising=False)
+    out = tmp_path / "r.json"
+    assert bench.main(["--tiny", "--file", str(tmp_path / "t.gguf"), "--parts", "model", "--tokens", "2", "--runs", "1",
+                       "--contexts", "4", "--routes", "pinned", "--flags", "mv_q8", "--compiled-only", "--prefill", "0",
+                       "--env-ab", "MUSE_MLX_Q8_PRE_GEOMETRY+MUSE_MLX_Q8_TILE=2x4x4x1+1,1x4x4x1+16",
+                       "--json", str(out)]) == 0
+    ab = [s for s in seen if s[0] is not None]
+    assert ab == [("1", "2x4x4x1", {"blocks"}), ("16", "1x4x4x1", {"q4_K_tiled"})] * 2
+    decode = json.loads(out.read_text())["routes"][0]["decode"]
+    assert [d["env"] for d in decode] == [{"MUSE_MLX_Q8_PRE_GEOMETRY": g, "MUSE_MLX_Q8_TILE": t}
+                                          for g, t in [("2x4x4x1", "1"), ("1x4x4x1", "16")] * 2]
+    assert "MUSE_MLX_Q8_TILE" not in os.environ and "MUSE_MLX_Q8_PRE_GEOMETRY" not in os.environ
+
+
+@pytest.mark.parametrize("spec", ["A+B=1,2", "A+B=1+2,3", "A+=1+2", "A=", "A+B=1++2"])
+def test_env_ab_spec_that_does_not_give_each_variable_a_value_is_refused(spec):
+    from environment import env_settings
+    with pytest.raises(ValueError, match="--env-ab"):
+        env_settings([spec])
