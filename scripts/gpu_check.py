@@ -1074,7 +1074,10 @@ def check_prebuild(rng, quick=False):
         print("prebuild: CUDA only; skipped")
         return
     tag = f"{os.getpid()}_{time.time_ns() % 10**9}"  # a kernel no process has built before
-    probe_k = Kernel(None, f"prebuild_probe_{tag}", ["x"], ["y"], body="y[0] = x[0] + 1.0f;\n")
+    # The probe adds PROBE_ADD, 1 in its text; the cubin written ahead is built with a -D of 2 in
+    # front: a define, not an edit of the text, which MUSE_MLX_CUDA_SOURCE_DIR moves behind an #include
+    probe_k = Kernel(None, f"prebuild_probe_{tag}", ["x"], ["y"],
+                     body="#ifndef PROBE_ADD\n#define PROBE_ADD 1.0f\n#endif\ny[0] = x[0] + PROBE_ADD;\n")
     x = mx.array([5.0], dtype=mx.float32)
     launch = dict(output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1),
                   which=WHICH)
@@ -1091,10 +1094,12 @@ def check_prebuild(rng, quick=False):
     RESULTS.append(dict(kernel="cuda_prebuild.mlx_source == MLX's printed source", case="probe, template N=3",
                         n=1, mismatches=int(not same), max_ulp=0, exact=True, ok=same, note=""))
     nvrtc = cp._Nvrtc()
-    plus_two = lambda src, k: nvrtc.compile(src.replace("+ 1.0f", "+ 2.0f"), k, cp._arch())  # noqa: E731
+    plus_two = lambda src, k: nvrtc.compile("#define PROBE_ADD 2.0f\n" + src, k, cp._arch())  # noqa: E731
     path = cp.ensure(probe_k.name, header, body, ["x"], [x], ["y"], [mx.float32], [("N", 4)], compiler=plus_two)
     print(f"      wrote {path}")
     (y,) = probe_k([x], template=[("N", 4)], **launch)
+    (y3,) = probe_k([x], template=[("N", 3)], **launch)  # built by MLX from the text (N=3 above)
+    compare("MLX builds the probe's own text", "probe, N=3: 5 + 1", y3, mx.array([6.0]))
     compare("MLX runs the module cuda_prebuild wrote", "probe: 5 + 2 (its text: 5 + 1)", y, mx.array([7.0]))
     with env("MUSE_MLX_CUDA_PREBUILD", "1"):
         n = 1184

@@ -136,9 +136,26 @@ def test_a_failed_build_ahead_warns_once_and_leaves_the_rest_to_mlx(monkeypatch)
         raise RuntimeError("no NVRTC library found")
 
     monkeypatch.setattr(cp, "ensure", broken)
-    with pytest.warns(UserWarning, match="no NVRTC library found.*MLX builds them itself"):
+    with pytest.warns(UserWarning, match="kernel 'probe'.*RuntimeError: no NVRTC library found.*MLX builds it "
+                      "and every later one itself"):
         cp.ensure_or_warn("probe")
     assert not cp.enabled()
+
+
+def test_the_target_is_the_gpus_while_the_default_device_is_the_cpu(monkeypatch):
+    """The first lease run (H100, 2026-12-05) lost every build ahead to a KeyError: inside a
+    ``with mx.stream(mx.cpu)`` block ``mx.device_info()`` describes the CPU. The target is read
+    of ``mx.gpu`` by name."""
+    gpu_info = {"compute_capability_major": 9, "compute_capability_minor": 0, "architecture": "sm_90"}
+
+    def device_info(d=None):  # MLX's: the default device when none is named
+        return gpu_info if d == mx.gpu else {"device_name": "cpu"}
+
+    monkeypatch.setattr(cp.mx, "device_info", device_info)
+    with mx.stream(mx.cpu):
+        assert cp._arch() == "sm_90a"
+    gpu_info.update(compute_capability_major=8, compute_capability_minor=6)
+    assert cp._arch() == "sm_86"
 
 
 def test_nvrtc_builds_a_cubin_holding_the_kernel(tmp_path, monkeypatch):

@@ -221,8 +221,10 @@ _STATE: dict = {}
 
 
 def _arch() -> str:
-    """MLX's NVRTC target for this device: ``sm_<major><minor>``, with ``a`` from compute capability 9."""
-    info = mx.device_info()
+    """MLX's NVRTC target for the GPU: ``sm_<major><minor>``, with ``a`` from compute capability 9.
+    Asked of ``mx.gpu`` by name: ``mx.device_info()`` describes the *default* device, which is the
+    CPU inside a ``with mx.stream(mx.cpu)`` block (the first lease run failed so: H100, 2026-12-05)."""
+    info = mx.device_info(mx.gpu)
     major, minor = int(info["compute_capability_major"]), int(info["compute_capability_minor"])
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
 
@@ -273,5 +275,5 @@ def ensure_or_warn(*args) -> None:
         ensure(*args)
     except Exception as e:  # noqa: BLE001  (never stop a run: MLX builds the kernel itself)
         _STATE["failed"] = True
-        warnings.warn(f"MUSE_MLX_CUDA_PREBUILD: building kernels ahead of MLX failed ({e}); MLX builds them "
-                      "itself from here on", stacklevel=3)
+        warnings.warn(f"MUSE_MLX_CUDA_PREBUILD: building kernel {args[0]!r} ahead of MLX failed "
+                      f"({type(e).__name__}: {e}); MLX builds it and every later one itself", stacklevel=3)
