@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from .decode import DecodeStep
 from .errors import MuseError, NumericalError, RequestError
+from .kernels import cuda_prebuild
 from .kernels.backend import backend, cuda_source_mode, variants_launched
 from .kernels.logits import logit_stats, logits_mode
 from .sampling import greedy, make_sampler
@@ -310,11 +311,23 @@ def _print_stats(model, last: GenerationResponse | None) -> None:
     gbps = weight_bytes_per_token(model) * last.generation_tps / 1e9
     print(f"Bandwidth achieved: {gbps:.3f} GB/s (weights read per token x generation tokens-per-sec)")
     which = backend()
-    built = variants_launched(which)
-    if built:  # why a process's first prompt is slow, where it is
-        why = (": on CUDA NVRTC compiles each, about a second, in every process, mostly inside the prompt's time"
-               " (MUSE_MLX_CUDA_PREBUILD=1 keeps them)" if which == "cuda" else "")
-        print(f"Kernel variants built at their first launch in this process: {built}{why}")
+    launched = variants_launched(which)
+    if launched and which == "cuda":  # why a process's first prompt is slow, where it is
+        print(kernel_builds_line(launched, cuda_prebuild.enabled(), *cuda_prebuild.counts(),
+                                 cuda_prebuild.cache_dir()))
+    elif launched:
+        print(f"Kernel variants built at their first launch in this process: {launched}")
+
+
+def kernel_builds_line(launched: int, prebuild: bool, built: int, found: int, cache) -> str:
+    """What a CUDA process's kernel variants cost it: NVRTC compiles, MLX's or ours, or none."""
+    if not prebuild:
+        return (f"Kernel variants built at their first launch in this process: {launched}: NVRTC compiles each, "
+                "about a second, in every process, mostly inside the prompt's time (building ahead is off: "
+                "MUSE_MLX_CUDA_PREBUILD=0, or it failed and warned why)")
+    left = launched - built - found  # variants cuda_prebuild leaves to MLX (shape-reading kernels)
+    return (f"Kernel variants launched in this process: {launched}: {found} found built in {cache}, {built} compiled "
+            f"ahead into it" + (f", {left} compiled by MLX" if left else ""))
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:

@@ -77,6 +77,7 @@ def test_ensure_writes_what_mlx_reads_once(tmp_path, monkeypatch):
     temporary file left; compiled from our header and MLX's text, once; a body that asks for an
     input's shape, or an input of no CUDA type, is left to MLX."""
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cp, "_STATE", {})
     calls = []
 
     def fake(source, kernel):
@@ -92,7 +93,9 @@ def test_ensure_writes_what_mlx_reads_once(tmp_path, monkeypatch):
     assert path.read_bytes() == b"\x7fELF-cubin"
     assert path.with_suffix(".txt").read_text() == "mlx::core::cu::custom_kernel_probe_3\t_Z22custom_kernel_probe_3PKfPf\n"
     assert calls == [(cp.OWN_HEADER + source, "mlx::core::cu::custom_kernel_probe_3")]
+    assert cp.counts() == (1, 0)
     assert cp.ensure(*args, compiler=fake) == path and len(calls) == 1
+    assert cp.counts() == (1, 1)  # built once, then found
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, path.with_suffix(".txt").name])
     assert cp.ensure("probe", "", "y[0] = x_shape[0];\n", ["x"], [x], ["y"], [mx.float32], None, compiler=fake) is None
     assert cp.ensure("probe", "", "y[0] = x[0];\n", ["x"], [x.astype(mx.complex64)], ["y"], [mx.float32], None,
@@ -126,6 +129,9 @@ def test_a_kernels_first_cuda_launch_builds_it_ahead_once(monkeypatch):
     monkeypatch.setenv("MUSE_MLX_CUDA_PREBUILD", "yes")
     with pytest.raises(ValueError, match="MUSE_MLX_CUDA_PREBUILD='yes'"):
         launch(4)
+    monkeypatch.delenv("MUSE_MLX_CUDA_PREBUILD")  # the default since the H100 run of 2026-12-05: on
+    launch(5)
+    assert [a[7] for a in seen][-1] == [("N", 5)]
 
 
 def test_a_failed_build_ahead_warns_once_and_leaves_the_rest_to_mlx(monkeypatch):
@@ -171,3 +177,16 @@ def test_nvrtc_builds_a_cubin_holding_the_kernel(tmp_path, monkeypatch):
     mangled = path.with_suffix(".txt").read_text().split("\t")[1].strip()
     cubin = path.read_bytes()
     assert cubin[:4] == b"\x7fELF" and mangled.encode() in cubin and "custom_kernel_probe_3" in mangled
+
+
+def test_the_clis_line_says_what_the_kernel_builds_cost():
+    """generate's closing line on CUDA: with building ahead on, how many variants were found in
+    MLX's cache, compiled ahead, or left to MLX; with it off, that each costs an NVRTC compile."""
+    from muse_mlx.generate import kernel_builds_line
+
+    on = kernel_builds_line(23, True, 3, 19, "/tmp/mlx/0.32.4/ptx")
+    assert on.startswith("Kernel variants launched in this process: 23: 19 found built in /tmp/mlx/0.32.4/ptx, "
+                         "3 compiled ahead into it, 1 compiled by MLX")
+    assert "compiled by MLX" not in kernel_builds_line(23, True, 0, 23, "/c")
+    off = kernel_builds_line(23, False, 0, 0, "/c")
+    assert "23: NVRTC compiles each" in off and "MUSE_MLX_CUDA_PREBUILD=0" in off

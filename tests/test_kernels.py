@@ -614,6 +614,7 @@ def test_variants_launched_counts_what_mlx_builds_apart(monkeypatch):
     from muse_mlx.kernels.backend import variants_launched
 
     monkeypatch.setattr(Kernel, "launched", set())
+    monkeypatch.setenv("MUSE_MLX_CUDA_PREBUILD", "0")  # the fake build below makes no texts to build ahead
     k = Kernel(None, "probe", ["x"], ["y"], body="y[0] = x[0];\n")
     monkeypatch.setattr(k, "build", lambda which, bounds=None: (lambda **kw: [mx.zeros((1,))]))
     x32, x16 = mx.zeros((4,)), mx.zeros((4,), dtype=mx.float16)

@@ -1,5 +1,5 @@
 """Our CUDA kernels built ahead of MLX, into the cubin cache MLX reads, so a process does not
-compile them at their first launch (opt-in: ``MUSE_MLX_CUDA_PREBUILD=1``).
+compile them at their first launch (the default on CUDA; ``MUSE_MLX_CUDA_PREBUILD=0`` turns it off).
 
 Why: MLX (0.32) compiles a custom kernel with NVRTC at its first launch in every process and
 never writes the result to its disk cache (``CustomKernel::eval_gpu`` asks ``get_jit_module`` not
@@ -53,9 +53,9 @@ _MASK = (1 << 64) - 1
 
 
 def enabled() -> bool:
-    """``MUSE_MLX_CUDA_PREBUILD``: ``1`` builds ahead, ``0`` (default until a GPU run has checked the
-    names and bits: docs/performance.md) leaves every build to MLX."""
-    text = os.environ.get("MUSE_MLX_CUDA_PREBUILD", "0")
+    """``MUSE_MLX_CUDA_PREBUILD``: ``1`` (the default since an H100 run checked MLX's names and the
+    bits, 2026-12-05: docs/performance.md) builds ahead, ``0`` leaves every build to MLX."""
+    text = os.environ.get("MUSE_MLX_CUDA_PREBUILD", "1")
     if text not in ("0", "1"):
         raise ValueError(f"MUSE_MLX_CUDA_PREBUILD={text!r}: expected 0 or 1")
     return text == "1" and not _STATE.get("failed")
@@ -257,6 +257,7 @@ def ensure(name: str, header: str, body: str, input_names, inputs, output_names,
     source = mlx_source(kernel, header, body, input_names, dtypes, output_names, output_dtypes, template)
     path = ptx_path(cache_dir(), module_name(kernel, source))
     if path.is_file() and path.with_suffix(".txt").is_file():
+        _STATE["found"] = _STATE.get("found", 0) + 1
         return path
     if compiler is None:
         if "nvrtc" not in _STATE:
@@ -265,7 +266,13 @@ def ensure(name: str, header: str, body: str, input_names, inputs, output_names,
         compiler = lambda src, k: nvrtc.compile(src, k, arch)  # noqa: E731
     cubin, mangled = compiler(OWN_HEADER + source, f"mlx::core::cu::{kernel}")
     write_module(path, kernel, cubin, mangled)
+    _STATE["built"] = _STATE.get("built", 0) + 1
     return path
+
+
+def counts() -> tuple[int, int]:
+    """``(built, found)``: variants this process compiled ahead, and found in MLX's cache already."""
+    return _STATE.get("built", 0), _STATE.get("found", 0)
 
 
 def ensure_or_warn(*args) -> None:
