@@ -1093,7 +1093,7 @@ def check_prebuild(rng, quick=False):
         print("".join(difflib.unified_diff(want.splitlines(True), printed.splitlines(True), "ours", "MLX's")))
     RESULTS.append(dict(kernel="cuda_prebuild.mlx_source == MLX's printed source", case="probe, template N=3",
                         n=1, mismatches=int(not same), max_ulp=0, exact=True, ok=same, note=""))
-    nvrtc = cp._Nvrtc()
+    nvrtc = cp.Nvrtc()
     plus_two = lambda src, k: nvrtc.compile("#define PROBE_ADD 2.0f\n" + src, k, cp._arch())  # noqa: E731
     path = cp.ensure(probe_k.name, header, body, ["x"], [x], ["y"], [mx.float32], [("N", 4)], compiler=plus_two)
     print(f"      wrote {path}")

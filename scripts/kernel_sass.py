@@ -178,12 +178,13 @@ class Toolchain:
                 raise ToolError(f"{self.nvcc} has no ptxas beside it or on PATH\n" + INSTALL)
             self.includes = include_dirs(self.nvcc)
         else:
-            self.nvrtc, self.nvrtc_path = self._load_nvrtc(first)
+            self.nvrtc_path = self._find_nvrtc(first)
             self.includes = include_dirs(self.nvrtc_path)
+            self.nvrtc = cuda_prebuild.Nvrtc(self.nvrtc_path, self.includes)
         if not (self.nvdisasm or self.cuobjdump):
             raise ToolError("no nvdisasm or cuobjdump (needed for the SASS)\n" + INSTALL)
 
-    def _load_nvrtc(self, first):
+    def _find_nvrtc(self, first) -> str:
         cands = [os.path.join(str(Path(d).parent), "lib") for d in first] + [
             os.path.join(str(Path(d).parent), "lib") for d in _cudatools_bins()] + glob.glob(
             os.path.join(CUDATOOLS, "lib/python3*/site-packages/nvidia/cuda_nvrtc/lib"))
@@ -192,18 +193,19 @@ class Toolchain:
                 if "builtins" in lib:
                     continue
                 with contextlib.suppress(OSError):
-                    return ctypes.CDLL(lib), lib
+                    ctypes.CDLL(lib)
+                    return lib
         with contextlib.suppress(OSError):
-            return ctypes.CDLL("libnvrtc.so"), "libnvrtc.so"
+            ctypes.CDLL("libnvrtc.so")
+            return "libnvrtc.so"
         raise ToolError("libnvrtc not found (pip install nvidia-cuda-nvrtc)\n" + INSTALL)
 
     def describe(self) -> str:
         if self.compiler == "nvcc":
             v = subprocess.run([self.nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
             return f"nvcc {self.nvcc} ({v[-2] if len(v) > 1 else '?'}), arch {self.arch}"
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self.nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
-        return f"NVRTC {major.value}.{minor.value} (MLX's options), arch {self.arch}"
+        major, minor = self.nvrtc.version
+        return f"NVRTC {major}.{minor} (MLX's options), arch {self.arch}"
 
     def compile(self, source: str, work: Path) -> tuple[Path, str]:
         """``source`` -> (cubin, ptxas -v report)."""
@@ -219,28 +221,12 @@ class Toolchain:
         return self._nvrtc_compile(source, cubin)
 
     def _nvrtc_compile(self, source: str, cubin: Path) -> tuple[Path, str]:
-        lib = self.nvrtc
-        prog = ctypes.c_void_p()
-        err = lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kernel.cu", 0, None, None)
-        if err:
-            raise ToolError(f"nvrtcCreateProgram: {err}")
-        opts = ["--device-as-default-execution-space", f"--gpu-architecture={self.arch}", "--ptxas-options=-v"]
-        opts += [f"--include-path={d}" for d in self.includes]
-        arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        err = lib.nvrtcCompileProgram(prog, len(opts), arr)
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value + 1)
-        lib.nvrtcGetProgramLog(prog, log)
-        text = log.value.decode(errors="replace")
-        if err:
-            raise ToolError(f"NVRTC failed ({err}):\n{text[-4000:]}")
-        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-        buf = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetCUBIN(prog, buf)
-        lib.nvrtcDestroyProgram(ctypes.byref(prog))
-        cubin.write_bytes(buf.raw)
-        return cubin, text
+        try:
+            code, _, log = self.nvrtc.build(source, self.arch, options=["--ptxas-options=-v"])
+        except RuntimeError as e:
+            raise ToolError(str(e)) from None
+        cubin.write_bytes(code)
+        return cubin, log
 
     def sass(self, cubin: Path) -> str:
         if self.nvdisasm:
@@ -698,7 +684,7 @@ def prebuild_all(tc: Toolchain, calls, folder: Path) -> int:
     if tc.compiler != "nvrtc":
         print("kernel_sass: --prebuild needs --compiler nvrtc (the library cuda_prebuild calls)", file=sys.stderr)
         return 2
-    nvrtc = cuda_prebuild._Nvrtc(tc.nvrtc_path, tc.includes)
+    nvrtc = tc.nvrtc
     compiler = lambda src, kernel: nvrtc.compile(src, kernel, tc.arch)  # noqa: E731
     print(f"# NVRTC {nvrtc.version[0]}.{nvrtc.version[1]} ({tc.nvrtc_path}), arch {tc.arch}, into {folder}")
     os.environ["MLX_PTX_CACHE_DIR"] = str(folder)

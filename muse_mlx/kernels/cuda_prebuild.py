@@ -156,7 +156,7 @@ def _site_dirs() -> list[str]:
     return [p for p in sys.path if p and os.path.isdir(os.path.join(p, "nvidia"))]
 
 
-class _Nvrtc:
+class Nvrtc:
     """NVRTC through ctypes: the library MLX's CUDA wheel depends on (nvidia-cuda-nvrtc)."""
 
     def __init__(self, given: str | None = None, includes: list[str] | None = None):
@@ -186,28 +186,38 @@ class _Nvrtc:
         self.includes = [p for p in includes if os.path.isdir(p)]
 
     def compile(self, source: str, kernel: str, arch: str) -> tuple[bytes, str]:
-        """``source`` -> (cubin, the lowered name of ``kernel``)."""
+        """``source`` -> (cubin, the lowered name of ``kernel``), with MLX's options."""
+        cubin, lowered, _ = self.build(source, arch, kernel)
+        return cubin, lowered
+
+    def build(self, source: str, arch: str, kernel: str | None = None, options=()) -> tuple[bytes, str | None, str]:
+        """``source`` -> (cubin, the lowered name of ``kernel`` or None, NVRTC's log), compiled with
+        MLX's options and ``options`` (``scripts/kernel_sass.py`` adds ``--ptxas-options=-v``)."""
         lib, prog = self.lib, ctypes.c_void_p()
         self._check(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"prebuild.cu", 0, None, None), "create")
         try:
-            self._check(lib.nvrtcAddNameExpression(prog, kernel.encode()), "name")
-            opts = ["--device-as-default-execution-space", f"--gpu-architecture={arch}"]
+            if kernel is not None:
+                self._check(lib.nvrtcAddNameExpression(prog, kernel.encode()), "name")
+            opts = ["--device-as-default-execution-space", f"--gpu-architecture={arch}", *options]
             opts += [f"--include-path={p}" for p in self.includes]
             arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-            if lib.nvrtcCompileProgram(prog, len(opts), arr):
-                size = ctypes.c_size_t()
-                lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value + 1)
-                lib.nvrtcGetProgramLog(prog, log)
-                raise RuntimeError(f"NVRTC could not compile {kernel}: {log.value.decode(errors='replace')[-2000:]}")
-            lowered = ctypes.c_char_p()
-            self._check(lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(lowered)), "lowered name")
-            mangled = lowered.value.decode()
+            failed = lib.nvrtcCompileProgram(prog, len(opts), arr)
             size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            lib.nvrtcGetProgramLog(prog, log)
+            text = log.value.decode(errors="replace")
+            if failed:
+                raise RuntimeError(f"NVRTC could not compile {kernel or 'the source'}: {text[-2000:]}")
+            mangled = None
+            if kernel is not None:
+                lowered = ctypes.c_char_p()
+                self._check(lib.nvrtcGetLoweredName(prog, kernel.encode(), ctypes.byref(lowered)), "lowered name")
+                mangled = lowered.value.decode()
             self._check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
             buf = ctypes.create_string_buffer(size.value)
             self._check(lib.nvrtcGetCUBIN(prog, buf), "cubin")
-            return buf.raw, mangled
+            return buf.raw, mangled, text
         finally:
             lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -261,7 +271,7 @@ def ensure(name: str, header: str, body: str, input_names, inputs, output_names,
         return path
     if compiler is None:
         if "nvrtc" not in _STATE:
-            _STATE["nvrtc"] = _Nvrtc()
+            _STATE["nvrtc"] = Nvrtc()
         nvrtc, arch = _STATE["nvrtc"], _arch()
         compiler = lambda src, k: nvrtc.compile(src, k, arch)  # noqa: E731
     cubin, mangled = compiler(OWN_HEADER + source, f"mlx::core::cu::{kernel}")
