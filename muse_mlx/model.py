@@ -257,18 +257,11 @@ class Model(nn.Module):
             if b.use_rope:
                 b.rope_table()
 
-    def embed(self, tokens: mx.array, guard: bool = False) -> mx.array:
-        """Token rows (dequantized), scaled or normed as the architecture's graph does. ``guard``:
-        an id outside the vocabulary reads row 0 and gives a row of NaN (the gather itself does not
-        check its indices: past the table it read other memory, and on the CPU crashed the process),
-        so its logits are NaN, which generation reports; a valid id's row is unchanged."""
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Token rows (dequantized), scaled or normed as the architecture's graph does; an id outside
+        the vocabulary gets a row of NaN (``Route.embed``)."""
         cfg = self.cfg
-        if guard:
-            ok = (tokens >= 0) & (tokens < cfg.vocab_size)
-            rows = self.route.embed(self.token_embd, mx.where(ok, tokens, 0))
-            x = tap("inp_embd", mx.where(ok[..., None], rows, np.float32(np.nan)))
-        else:
-            x = tap("inp_embd", self.route.embed(self.token_embd, tokens))
+        x = tap("inp_embd", self.route.embed(self.token_embd, tokens))
         if cfg.embed_scale is not None:
             x = tap("inp_scaled", x * np.float32(cfg.embed_scale))  # ggml_scale by sqrtf(n_embd), in f32
         if cfg.entry_norm:
@@ -285,15 +278,15 @@ class Model(nn.Module):
                  positions=None) -> mx.array:
         """``positions`` (decode only): ``(pos, slots)`` -- the token's position as an int32 [1]
         array and each layer's cache slot (ints or int32 [1] arrays); by default from the caches.
-        An id outside the vocabulary gives NaN logits: :meth:`embed`'s guard, or, on the one-token
-        decode path (the pinned route's, without the guard's ops), the route's embedding itself
-        (``PinnedRoute.embed``). ``generate`` and ``compare`` refuse such ids before they run."""
+        An id outside the vocabulary gives NaN logits (the route's embedding gives it a row of NaN:
+        ``Route.embed``, and the pinned route's kernel). ``generate`` and ``compare`` refuse such ids
+        before they run."""
         cfg, route = self.cfg, self.route
         if tokens.ndim != 2:
             raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")
         T = tokens.shape[1]
         decode = self.uses_decode_path(tokens, cache)
-        hidden = self.embed(tokens, guard=not decode)
+        hidden = self.embed(tokens)
         # with positions given, the caller owns the caches' allocation and counts (a compiled step)
         advance = decode and positions is None
         if decode:

@@ -21,6 +21,7 @@ from functools import reduce
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from . import kernels
@@ -117,8 +118,12 @@ class Route:
         raise NotImplementedError
 
     def embed(self, table, tokens: mx.array) -> mx.array:
-        """Embedding rows, dequantized exactly (:class:`~muse_mlx.layers.QEmbedding`)."""
-        return table(tokens)
+        """Embedding rows, dequantized exactly (:class:`~muse_mlx.layers.QEmbedding`). An id outside
+        the table reads row 0 and gets a row of NaN, so its logits are NaN, which generation reports:
+        MLX's gather does not check its indices (past the table it read other memory, and on the CPU
+        crashed the process). A valid id's row is unchanged."""
+        ok = (tokens >= 0) & (tokens < table.weight.shape[0])
+        return mx.where(ok[..., None], table(mx.where(ok, tokens, 0)), np.float32(np.nan))
 
     def head(self, x: mx.array, w: QLinear) -> mx.array:
         """The vocabulary head: :meth:`linear`, unless a route launches it differently."""
@@ -332,14 +337,12 @@ class PinnedRoute(Route):
         return super().project(x, ws)
 
     def embed(self, table, tokens):
-        # the same exact dequantization as QEmbedding's MLX ops, in one dispatch; like the kernel,
-        # the other tables give an id outside them a row of NaN (MLX's gather does not check its
-        # indices, and the one-token decode path has no guard of its own: Model.__call__)
+        # the same exact dequantization as QEmbedding's MLX ops, in one dispatch, which gives an id
+        # outside the table a row of NaN itself; the other tables take the guarded gather
         if table.qtype in _KIND:
             self.count("dequant_at")
             return kernels.embed_rows(table.weight, tokens, _KIND[table.qtype])
-        ok = (tokens >= 0) & (tokens < table.weight.shape[0])
-        return mx.where(ok[..., None], table(mx.where(ok, tokens, 0)), float("nan"))
+        return super().embed(table, tokens)
 
     def fast_decode(self, cfg) -> bool:
         from .kernels.attention import partial_threadgroup_bytes
