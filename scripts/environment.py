@@ -16,11 +16,9 @@ def env(name: str | None, value: str | None):
     if name is None or value is None:
         yield
         return
-    names, values = name.split("+"), value.split("+")
-    if len(names) != len(values):
-        raise ValueError(f"{name}={value}: {len(names)} variables, {len(values)} values")
-    old = {n: os.environ.get(n) for n in names}
-    os.environ.update(zip(names, values))
+    setting = setting_dict(name, value)
+    old = {n: os.environ.get(n) for n in setting}
+    os.environ.update(setting)
     try:
         yield
     finally:
@@ -32,8 +30,14 @@ def env(name: str | None, value: str | None):
 
 
 def setting_dict(name: str | None, value: str | None) -> dict[str, str]:
-    """A setting as ``{variable: value}`` for a report: one entry per variable of a joint one."""
-    return {} if name is None or value is None else dict(zip(name.split("+"), value.split("+")))
+    """A setting as ``{variable: value}`` (for :func:`env` and a report): one entry per variable of a
+    joint one; ValueError where the counts of variables and values differ."""
+    if name is None or value is None:
+        return {}
+    names, values = name.split("+"), value.split("+")
+    if len(names) != len(values):
+        raise ValueError(f"{name}={value}: {len(names)} variables, {len(values)} values")
+    return dict(zip(names, values))
 
 
 def sets_form_switch(name: str | None) -> bool:
