@@ -1,0 +1,433 @@
+"""What the kernel boundaries of a decoded token cost on CUDA, measured with a plain stream.
+
+    python scripts/fusion_ceiling.py [--modes separate,fused-layer,fused-token,stream] [--runs 5]
+
+The q8 route decodes a release-geometry token in about 5.8 ms on the H200, 0.7 ms short of the
+issue's goal, and its timeline spends it in 365 dependent kernels (seven a layer: the q|k|v|gate
+matvec, the attention, attn_output, the norm tail, the GLU, ffn_down, the norm tail; then the
+head), each with its own ramp and drain (docs/performance.md). Whether one persistent kernel,
+which keeps the weight stream going across those boundaries, would recover that time is a
+question about the GPU, not about our matvecs' arithmetic. So this script reads the same bytes a
+token reads (per layer: q|k|v|gate, the K/V planes at context 128, attn_output, gate+up,
+ffn_down; then the head; the byte counts of the Q4_K_M file, :func:`token_plan`) with a kernel
+whose work is a minimal stream (16-byte loads folded by xor, every matrix's input vector read
+first, as a matvec reads it), in four structures:
+
+* ``separate``: one launch per stage and one single-threadgroup launch per norm tail (two
+  reductions over the 6,656-wide residual), as the q8 route runs today;
+* ``fused-layer``: one launch per layer; the stages inside it are separated by a grid-wide
+  barrier (an atomic counter), every threadgroup computes the norm tail itself after the barrier,
+  and each threadgroup loads the first slab of its next stage's weights before waiting;
+* ``fused-token``: the same for the whole token in one launch (52 layers and the head);
+* ``stream``: the fused-token kernel without barriers or tails, the bytes alone: the ceiling.
+
+A grid-wide barrier is only safe when every threadgroup is resident at once, so the fused grids
+are ``--sms`` x ``--blocks-per-sm``; a barrier that waits more than about a second gives up and
+the script reports it (instead of hanging). CUDA only: Metal offers no such guarantee, and these
+kernels are a measurement, not a route (they compute nothing a model uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gguf import GGML_QUANT_SIZES  # noqa: E402
+
+from muse_mlx.synthetic import RELEASE_VOCAB  # noqa: E402
+from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry, tensor_shapes, tensor_type  # noqa: E402
+
+MODES = ("separate", "fused-layer", "fused-token", "stream")
+PLAN_COLUMNS = 6  # buffer (0 layer, 1 head), offset and length in 16-byte words, input and output length, tail first
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    nbytes: int
+    k: int  # input vector length
+    rows: int  # output vector length
+    tail: bool  # a norm tail runs first (its output is the input)
+
+
+def _bytes(name: str, shape, mix: str, g: Geometry, vocab: int) -> int:
+    qtype = tensor_type(name, shape, mix, g.n_layer, False)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape))
+    return n // block * size
+
+
+def token_plan(g: Geometry = MUSE_GLIMMER_30B, vocab: int = RELEASE_VOCAB, mix: str = "q4_k_m",
+               ctx: int = 128) -> list[list[Stage]]:
+    """Per layer, the stages a decoded token runs, with the bytes the file holds for each (the
+    K/V planes: ``ctx`` positions of f16); then the head, as a last one-stage "layer"."""
+    shapes = tensor_shapes("muse-glimmer", g, vocab)
+    q, kv, D = g.n_head * g.head_dim, g.n_head_kv * g.head_dim, g.n_embd
+    layers = []
+    for i in range(g.n_layer):
+        p = f"blk.{i}."
+
+        def b(*names):
+            return sum(_bytes(p + n + ".weight", shapes[p + n + ".weight"], mix, g, vocab) for n in names)
+
+        layers.append([
+            Stage("q|k|v|gate", b("attn_q", "attn_k", "attn_v", "attn_gate"), D, 2 * q + 2 * kv, True),
+            Stage("attention", 2 * ctx * kv * 2, 2 * q + 2 * kv, q, False),
+            Stage("attn_output", b("attn_output"), q, D, False),
+            Stage("gate+up", b("ffn_gate", "ffn_up"), D, 2 * g.n_ff, True),
+            Stage("ffn_down", b("ffn_down"), g.n_ff, D, False),
+        ])
+    layers.append([Stage("head", _bytes("output.weight", shapes["output.weight"], mix, g, vocab), D, vocab, True)])
+    return layers
+
+
+# -- the kernels (CUDA) ----------------------------------------------------------------------
+
+HEADER = r"""
+#define FC_U 4  // 16-byte loads in flight per thread
+__device__ __forceinline__ float fc_block_sum(float v, float* red) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float s = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) s += red[i];
+    return s;
+}
+// one threadgroup's slab of a stage: [begin, end) in 16-byte words
+__device__ __forceinline__ void fc_slab(long long len, int nb, int b, long long& begin, long long& end) {
+    const long long per = (len + nb - 1) / nb;
+    begin = per * b;
+    end = begin + per < len ? begin + per : len;
+    if (begin > end) begin = end;
+}
+__device__ __forceinline__ void fc_first(const uint4* w, long long begin, long long end, uint4 (&pre)[FC_U]) {
+    #pragma unroll
+    for (int u = 0; u < FC_U; ++u) {
+        const long long i = begin + threadIdx.x + (long long)u * blockDim.x;
+        pre[u] = i < end ? __ldcs(w + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+// the stream: the FC_U words already loaded (pre), then the rest, FC_U loads in flight
+__device__ __forceinline__ unsigned fc_stream(const uint4* w, long long begin, long long end, const uint4 (&pre)[FC_U]) {
+    unsigned acc = 0u;
+    #pragma unroll
+    for (int u = 0; u < FC_U; ++u) acc += pre[u].x ^ pre[u].y ^ pre[u].z ^ pre[u].w;
+    const long long step = (long long)FC_U * blockDim.x;
+    for (long long i = begin + threadIdx.x + step; i < end; i += step) {
+        uint4 v[FC_U];
+        #pragma unroll
+        for (int u = 0; u < FC_U; ++u) {
+            const long long j = i + (long long)u * blockDim.x;
+            v[u] = j < end ? __ldcs(w + j) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        #pragma unroll
+        for (int u = 0; u < FC_U; ++u) acc += v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    return acc;
+}
+// the norm tail: hidden' = hidden + rms(src) * w1, y = rms(hidden') * w2; y into ys (length D),
+// hidden' into hout when hout is not null
+// (src and hidden through L2: another multiprocessor wrote them inside this launch, and L1 is
+// not coherent across multiprocessors)
+__device__ __forceinline__ void fc_tail(const float* src, const float* hidden, const float* w1, const float* w2,
+                                        int D, float* ys, float* hout, float* red) {
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) s += __ldcg(src + i) * __ldcg(src + i);
+    const float scale1 = 1.0f / sqrtf(fc_block_sum(s, red) / D + 1e-5f);
+    __syncthreads();
+    float h2 = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float h = __ldcg(hidden + i) + __ldcg(src + i) * scale1 * w1[i];
+        ys[i] = h;
+        if (hout) hout[i] = h;
+        h2 += h * h;
+    }
+    const float scale2 = 1.0f / sqrtf(fc_block_sum(h2, red) / D + 1e-5f);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = ys[i] * scale2 * w2[i];
+    __syncthreads();
+}
+// a stage's output: this threadgroup's share of the rows, each row = the stage's index + 0.5 (what
+// the fused kernel's tails check); the stream's and the input's sums enter so no load is dropped
+__device__ __forceinline__ void fc_write(float* out, int rows, int cap, int nb, int b, unsigned acc, float seed, int id) {
+    const float v = (float)id + 0.5f + (acc == 0x9E3779B9u ? 0.25f : 0.0f) + seed * 0.0f;
+    const int per = (rows + nb - 1) / nb;
+    for (int r = b * per + threadIdx.x; r < (b + 1) * per && r < rows && r < cap; r += blockDim.x) out[r] = v;
+}
+// every threadgroup arrives, then waits for all; gives up (err = 1) after about 2^31 cycles
+__device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(sync, 1u);
+        const long long start = clock64();
+        // (once one threadgroup gave up, the others stop waiting too: a second a barrier, not minutes)
+        while (*(volatile unsigned*)sync < target && !*(volatile unsigned*)(sync + 1)) {
+            if (clock64() - start > (1ll << 31)) { atomicExch(sync + 1, 1u); break; }
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+"""
+
+# one stage, its own launch; inputs: w (its weights' buffer), x (its input vector)
+STAGE_BODY = r"""
+    float seed = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) seed += x[i];
+    long long begin, end;
+    fc_slab(LEN, gridDim.x, blockIdx.x, begin, end);
+    const uint4* w4 = reinterpret_cast<const uint4*>(w) + OFF;
+    uint4 pre[FC_U];
+    fc_first(w4, begin, end, pre);
+    fc_write(out, ROWS, ROWS, gridDim.x, blockIdx.x, fc_stream(w4, begin, end, pre), seed, 0);
+"""
+
+# one norm tail, one threadgroup
+TAIL_BODY = r"""
+    __shared__ float red[32];
+    fc_tail(src, hidden, norms, norms + D, D, y, hidden_out, red);
+"""
+
+# the stages of ``plan`` in one launch. inputs: w (a layer's buffer), wh (the head's), plan,
+# prev (the state the launch before left: act[2][CAP], then hid[2][D]), norms (w1, w2)
+# outputs: state (this launch's act and hid), sync (the barrier's counter; flags: 1 a wait gave up,
+# 2 a tail read a row its stage had not written)
+FUSED_BODY = r"""
+    __shared__ float red[32];
+    __shared__ float ys[D];
+    float* act = state;
+    float* hid = state + 2 * CAP;
+    unsigned arrivals = 0u;
+    int tails = 0;
+    uint4 pre[FC_U];
+    long long begin, end;
+    {
+        const int* p = plan;
+        fc_slab(p[2], gridDim.x, blockIdx.x, begin, end);
+        fc_first(reinterpret_cast<const uint4*>(p[0] ? wh : w) + p[1], begin, end, pre);
+    }
+    for (int s = 0; s < STAGES; ++s) {
+        const int* p = plan + s * 6;
+        const uint4* w4 = reinterpret_cast<const uint4*>(p[0] ? wh : w) + p[1];
+        const int k = p[3], rows = p[4];
+        float seed = 0.0f;
+        if (p[5] && BARRIERS) {  // the tail, by every threadgroup: its input is the stage before's output
+            const float* src = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
+            const float* h = tails == 0 ? prev + 2 * CAP + PREV_HID * D : hid + ((tails - 1) & 1) * D;
+            if (s > 0) {  // the barrier's test: every row of the stage before is that stage's (flag 2 if not)
+                bool stale = false;
+                for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(__ldcg(src + i)) != (float)(s - 1);
+                if (stale) atomicOr(sync + 1, 2u);
+            }
+            fc_tail(src, h, norms, norms + D, D, ys, blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr, red);
+            ++tails;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) seed += ys[i];
+        } else {
+            const float* x = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
+            for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(x + i);
+        }
+        const unsigned acc = fc_stream(w4, begin, end, pre);
+        if (s + 1 < STAGES) {  // the next stage's first loads, before the wait
+            const int* q = p + 6;
+            fc_slab(q[2], gridDim.x, blockIdx.x, begin, end);
+            fc_first(reinterpret_cast<const uint4*>(q[0] ? wh : w) + q[1], begin, end, pre);
+        }
+        fc_write(act + (s & 1) * CAP, rows, CAP, gridDim.x, blockIdx.x, acc, seed, s);
+        if (BARRIERS && s + 1 < STAGES) fc_grid_barrier(sync, ++arrivals * gridDim.x);
+    }
+"""
+
+
+def _kernels():
+    return dict(
+        stage=mx.fast.cuda_kernel(name="fusion_stage", input_names=["w", "x"], output_names=["out"], source=STAGE_BODY,
+                                  header=HEADER),
+        tail=mx.fast.cuda_kernel(name="fusion_tail", input_names=["src", "hidden", "norms"],
+                                 output_names=["hidden_out", "y"], source=TAIL_BODY, header=HEADER),
+        fused=mx.fast.cuda_kernel(name="fusion_fused", input_names=["w", "wh", "plan", "prev", "norms"],
+                                  output_names=["state", "sync"], source=FUSED_BODY, header=HEADER),
+    )
+
+
+def _offsets(stages: list[Stage]) -> list[int]:
+    """Each stage's offset in its buffer, in 16-byte words (a layer's stages end to end)."""
+    at, out = 0, []
+    for s in stages:
+        out.append(at)
+        at += -(-s.nbytes // 16)
+    return out
+
+
+def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
+    """The fused kernel's plan: one row of PLAN_COLUMNS per stage, the head's stages reading buffer 1."""
+    rows = []
+    for li, stages in enumerate(layers):
+        head = li == len(layers) - 1 and stages[0].name == "head"
+        for s, off in zip(stages, _offsets(stages)):
+            rows.append([int(head), off, -(-s.nbytes // 16), s.k, s.rows, int(s.tail)])
+    return np.array(rows, dtype=np.int32)
+
+
+class Harness:
+    def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, waves: int, sms: int):
+        self.layers, self.g, self.threads = layers, g, threads
+        self.fused_blocks, self.separate_blocks = fused_blocks, waves * sms
+        self.k = _kernels()
+        self.D = g.n_embd
+        self.cap = max(s.rows for st in layers[:-1] for s in st)
+        layer_words = max(sum(-(-s.nbytes // 16) for s in st) for st in layers[:-1])
+        head_words = -(-layers[-1][0].nbytes // 16)
+        # random words: what a weight file holds (zeros could be cheaper on some memory systems)
+        self.w = mx.random.randint(0, 2**31 - 1, (layer_words * 4,), dtype=mx.int32).view(mx.uint32)
+        self.wh = mx.random.randint(0, 2**31 - 1, (head_words * 4,), dtype=mx.int32).view(mx.uint32)
+        self.norms = mx.random.uniform(0.5, 1.5, (2 * self.D,))
+        mx.eval(self.w, self.wh, self.norms)
+        self.weight_bytes = sum(s.nbytes for st in layers for s in st)
+
+    def _stage(self, stage: Stage, off: int, x, buf):
+        return self.k["stage"](
+            inputs=[buf, x], template=[("OFF", off), ("LEN", -(-stage.nbytes // 16)), ("K", stage.k), ("ROWS", stage.rows)],
+            grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
+            output_shapes=[(stage.rows,)], output_dtypes=[mx.float32])[0]
+
+    def _tail(self, src, hidden):
+        return self.k["tail"](
+            inputs=[src, hidden, self.norms], template=[("D", self.D)], grid=(1024, 1, 1), threadgroup=(1024, 1, 1),
+            output_shapes=[(self.D,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
+
+    def separate(self, carry):
+        """One token as the q8 route launches it: a kernel per stage and per tail."""
+        src, hidden = carry
+        for li, stages in enumerate(self.layers):
+            buf = self.wh if li == len(self.layers) - 1 else self.w
+            x = None
+            for s, off in zip(stages, _offsets(stages)):
+                if s.tail:
+                    hidden, x = self._tail(src[: self.D], hidden)
+                x = self._stage(s, off, x, buf)
+                src = x
+        return src, hidden
+
+    def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
+        plan = mx.array(plan_rows(layers))
+        n = plan.shape[0]
+        return self.k["fused"](
+            inputs=[self.w, self.wh, plan, prev, self.norms],
+            template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
+                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid)],
+            grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
+            output_shapes=[(2 * self.cap + 2 * self.D,), (2,)], output_dtypes=[mx.float32, mx.uint32], init_value=0)
+
+    def _parity(self, layers):
+        """Where a launch of ``layers`` leaves its last output and its last hidden (act, hid slots)."""
+        rows = plan_rows(layers)
+        return (len(rows) - 1) & 1, (int(rows[:, 5].sum()) - 1) & 1
+
+    def fused_layer(self, state):
+        act, hid = self._parity(self.layers[-1:])  # the launch before: the previous token's head
+        flags = []
+        for li in range(len(self.layers)):
+            state, sync = self._fused(self.layers[li:li + 1], state, True, act, hid)
+            act, hid = self._parity(self.layers[li:li + 1])
+            flags.append(sync[1])
+        return state, mx.stack(flags)
+
+    def fused_token(self, state, barriers=True):
+        act, hid = self._parity(self.layers)
+        state, sync = self._fused(self.layers, state, barriers, act, hid)
+        return state, sync[1]
+
+
+def _time(step, carry, tokens: int, runs: int) -> list[float]:
+    """Seconds per token of ``runs`` timed runs of ``tokens`` chained steps, after a warm-up run."""
+    out = []
+    for r in range(runs + 1):
+        t0 = time.perf_counter()
+        c = carry
+        for _ in range(tokens):
+            c = step(c)
+            mx.async_eval(c)
+        mx.eval(c)
+        if r:
+            out.append((time.perf_counter() - t0) / tokens)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    ap.add_argument("--layers", type=int, default=MUSE_GLIMMER_30B.n_layer, help="layers of the release geometry (default: 52)")
+    ap.add_argument("--sms", type=int, default=132, help="the GPU's multiprocessors (H100 SXM and H200: 132)")
+    ap.add_argument("--blocks-per-sm", type=int, default=2, help="fused grids: threadgroups per multiprocessor (default: 2)")
+    ap.add_argument("--threads", type=int, default=512, help="threads per threadgroup (default: 512)")
+    ap.add_argument("--waves", default="4", help="separate launches: threadgroups per multiprocessor, comma-separated (default: 4)")
+    ap.add_argument("--tokens", type=int, default=32, help="chained tokens per timed run (default: 32)")
+    ap.add_argument("--runs", type=int, default=5, help="timed runs, after one warm-up (default: 5)")
+    args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: unknown mode {m!r} (expected some of {', '.join(MODES)})")
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        sys.exit("fusion_ceiling.py needs MLX's CUDA backend (its kernels are CUDA and a measurement of the GPU)")
+    import dataclasses
+
+    g = dataclasses.replace(MUSE_GLIMMER_30B, n_layer=args.layers)
+    layers = token_plan(g)
+    print(f"{datetime.date.today()}  mlx {mx.__version__}  {mx.device_info(mx.gpu).get('device_name', '?')}  "
+          f"{args.layers} layers + head, {sum(s.nbytes for st in layers for s in st) / 1e9:.3f} GB a token, "
+          f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads",
+          flush=True)
+    from bench import memory_bandwidths
+
+    copy, read = memory_bandwidths(1 << 30)
+    print(f"copy {copy / 1e12:.3f} TB/s, sums read {read / 1e12:.3f} TB/s", flush=True)
+    for waves in [int(w) for w in args.waves.split(",")]:
+        h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, waves, args.sms)
+        wb = h.weight_bytes
+        for m in modes:
+            if m != "separate" and waves != int(args.waves.split(",")[0]):
+                continue  # the fused kernels do not depend on --waves
+            if m == "separate":
+                carry = (mx.ones((h.cap,)), mx.ones((h.D,)))
+                step = mx.compile(h.separate)
+            else:
+                state0 = mx.ones((2 * h.cap + 2 * h.D,))
+                fn = {"fused-layer": h.fused_layer, "fused-token": h.fused_token,
+                      "stream": lambda s: h.fused_token(s, barriers=False)}[m]
+                compiled = mx.compile(fn)
+                flags = []
+
+                def step(c, compiled=compiled, flags=flags):
+                    s, f = compiled(c)
+                    flags.append(f)
+                    return s
+                carry = state0
+            secs = _time(step, carry, args.tokens, args.runs)
+            if m != "separate":
+                seen = int(np.bitwise_or.reduce(np.concatenate([np.array(f).ravel() for f in flags])))
+                if seen:
+                    why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
+                                                     (2, "a tail read rows its stage had not written")) if seen & bit)
+                    print(f"{m}: {why}: figures void", flush=True)
+                    continue
+            med = statistics.median(secs)
+            label = f"{m} ({waves} waves)" if m == "separate" else m
+            print(f"{label:22s} {med * 1e3:7.3f} ms a token = {1 / med:6.1f} tok/s; {wb / med / 1e12:.3f} TB/s "
+                  f"= {wb / med / copy:.0%} of copy, {wb / med / read:.0%} of read; "
+                  f"runs {[round(s * 1e3, 3) for s in secs]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
