@@ -164,18 +164,32 @@ __device__ __forceinline__ void fc_write(float* out, int rows, int cap, int nb, 
     const int per = (rows + nb - 1) / nb;
     for (int r = b * per + threadIdx.x; r < (b + 1) * per && r < rows && r < cap; r += blockDim.x) out[r] = v;
 }
-// every threadgroup arrives, then waits for all; gives up (err = 1) after about 2^31 cycles
+__device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// every threadgroup arrives, then waits for all; gives up (flag 1 in sync[1]) after about 2^31
+// cycles. FLAVOR 0: a fence, atomicAdd, volatile polls; 1: a release add and acquire polls (gpu
+// scope); 2: as 1, with a short sleep between polls (fewer loads on the counter's line)
+template <int FLAVOR>
 __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(sync, 1u);
+        if (FLAVOR == 0) {
+            __threadfence();
+            atomicAdd(sync, 1u);
+        } else {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(sync) : "memory");
+        }
         const long long start = clock64();
         // (once one threadgroup gave up, the others stop waiting too: a second a barrier, not minutes)
-        while (*(volatile unsigned*)sync < target && !*(volatile unsigned*)(sync + 1)) {
+        while ((FLAVOR == 0 ? *(volatile unsigned*)sync : fc_ld_acquire(sync)) < target
+               && !*(volatile unsigned*)(sync + 1)) {
+            if (FLAVOR == 2) __nanosleep(64);
             if (clock64() - start > (1ll << 31)) { atomicExch(sync + 1, 1u); break; }
         }
-        __threadfence();
+        if (FLAVOR == 0) __threadfence();
     }
     __syncthreads();
 }
@@ -244,9 +258,17 @@ FUSED_BODY = r"""
             fc_first(reinterpret_cast<const uint4*>(q[0] ? wh : w) + q[1], begin, end, pre);
         }
         fc_write(act + (s & 1) * CAP, rows, CAP, gridDim.x, blockIdx.x, acc, seed, s);
-        if (BARRIERS && s + 1 < STAGES) fc_grid_barrier(sync, ++arrivals * gridDim.x);
+        if (BARRIERS && s + 1 < STAGES) fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
     }
 """
+
+
+# ITERS grid barriers and nothing else: what one costs
+PROBE_BODY = r"""
+    for (unsigned i = 1; i <= ITERS; ++i) fc_grid_barrier<FLAVOR>(sync, i * gridDim.x);
+"""
+
+BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2}
 
 
 def _kernels():
@@ -257,6 +279,8 @@ def _kernels():
                                  output_names=["hidden_out", "y"], source=TAIL_BODY, header=HEADER),
         fused=mx.fast.cuda_kernel(name="fusion_fused", input_names=["w", "wh", "plan", "prev", "norms"],
                                   output_names=["state", "sync"], source=FUSED_BODY, header=HEADER),
+        probe=mx.fast.cuda_kernel(name="fusion_barrier_probe", input_names=["unused"], output_names=["sync"],
+                                  source=PROBE_BODY, header=HEADER),
     )
 
 
@@ -280,8 +304,10 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
 
 
 class Harness:
-    def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, waves: int, sms: int):
+    def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, waves: int, sms: int,
+                 barrier: str = "fence", sync_words: int = 2):
         self.layers, self.g, self.threads = layers, g, threads
+        self.flavor, self.sync_words = BARRIERS[barrier], max(2, sync_words)
         self.fused_blocks, self.separate_blocks = fused_blocks, waves * sms
         self.k = _kernels()
         self.D = g.n_embd
@@ -325,9 +351,10 @@ class Harness:
         return self.k["fused"](
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
-                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid)],
+                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor)],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
-            output_shapes=[(2 * self.cap + 2 * self.D,), (2,)], output_dtypes=[mx.float32, mx.uint32], init_value=0)
+            output_shapes=[(2 * self.cap + 2 * self.D,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
+            init_value=0)
 
     def _parity(self, layers):
         """Where a launch of ``layers`` leaves its last output and its last hidden (act, hid slots)."""
@@ -347,6 +374,25 @@ class Harness:
         act, hid = self._parity(self.layers)
         state, sync = self._fused(self.layers, state, barriers, act, hid)
         return state, sync[1]
+
+
+def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters: int = 200, runs: int = 3):
+    """Seconds per grid barrier (median of ``runs`` launches of ``iters`` barriers after a warm-up),
+    or None where a wait gave up."""
+    k = _kernels()["probe"]
+    unused = mx.zeros((1,))
+    secs = []
+    for r in range(runs + 1):
+        t0 = time.perf_counter()
+        sync = k(inputs=[unused], template=[("ITERS", iters), ("FLAVOR", BARRIERS[flavor])],
+                 grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
+                 output_shapes=[(max(2, sync_words),)], output_dtypes=[mx.uint32], init_value=0)[0]
+        mx.eval(sync)
+        if r:
+            secs.append((time.perf_counter() - t0) / iters)
+        if int(sync[1].item()):
+            return None
+    return statistics.median(secs)
 
 
 def _time(step, carry, tokens: int, runs: int) -> list[float]:
@@ -374,6 +420,13 @@ def main(argv=None):
     ap.add_argument("--waves", default="4", help="separate launches: threadgroups per multiprocessor, comma-separated (default: 4)")
     ap.add_argument("--tokens", type=int, default=32, help="chained tokens per timed run (default: 32)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs, after one warm-up (default: 5)")
+    ap.add_argument("--barrier", choices=sorted(BARRIERS), default="fence",
+                    help="the fused kernels' grid barrier: fence (a fence, atomicAdd, volatile polls), acquire "
+                         "(a release add, acquire polls), sleep (acquire polls with a short sleep) (default: fence)")
+    ap.add_argument("--sync-words", type=int, default=2,
+                    help="words of the barrier's counter array (a large one is an allocation of its own; default: 2)")
+    ap.add_argument("--probe", action="store_true",
+                    help="first time grid barriers alone, per flavor and counter size, at the fused grid")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
@@ -393,8 +446,15 @@ def main(argv=None):
 
     copy, read = memory_bandwidths(1 << 30)
     print(f"copy {copy / 1e12:.3f} TB/s, sums read {read / 1e12:.3f} TB/s", flush=True)
+    if args.probe:
+        for flavor in sorted(BARRIERS):
+            for words in (2, 1 << 20):
+                sec = barrier_probe(args.sms * args.blocks_per_sm, args.threads, flavor, words)
+                print(f"barrier {flavor:8s} counter of {words:8d} words: "
+                      + ("a wait gave up" if sec is None else f"{sec * 1e6:9.2f} us a barrier"), flush=True)
     for waves in [int(w) for w in args.waves.split(",")]:
-        h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, waves, args.sms)
+        h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, waves, args.sms, args.barrier,
+                    args.sync_words)
         wb = h.weight_bytes
         for m in modes:
             if m != "separate" and waves != int(args.waves.split(",")[0]):
