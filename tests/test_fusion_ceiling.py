@@ -1,0 +1,82 @@
+"""scripts/fusion_ceiling.py's accounting (the bytes it streams are the bytes a token reads) and,
+where NVRTC is installed, that its CUDA kernels compile. Its speeds come from a GPU
+(docs/performance.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import fusion_ceiling as fc  # noqa: E402
+
+from muse_mlx.synthetic import SMALL_GEOMETRY, SMALL_VOCAB, write_synthetic  # noqa: E402
+
+# what a decoded token reads of the file: every layer matrix and the head (the embedding: one row)
+READ = ("attn_q", "attn_k", "attn_v", "attn_gate", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def test_the_stream_reads_the_bytes_the_file_holds_for_a_token(tmp_path):
+    path = tmp_path / "s.gguf"
+    write_synthetic(path, SMALL_GEOMETRY, SMALL_VOCAB, "q4_k_m", 0)
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    layers = fc.token_plan(SMALL_GEOMETRY, SMALL_VOCAB, "q4_k_m", ctx=128)
+    assert len(layers) == SMALL_GEOMETRY.n_layer + 1 and [s.name for s in layers[-1]] == ["head"]
+    assert layers[-1][0].nbytes == sizes["output.weight"]
+    g = SMALL_GEOMETRY
+    for i, stages in enumerate(layers[:-1]):
+        by = {s.name: s for s in stages}
+        held = [sizes[f"blk.{i}.{n}.weight"] for n in READ]
+        assert sum(s.nbytes for s in stages if s.name != "attention") == sum(held)
+        assert by["gate+up"].nbytes == sizes[f"blk.{i}.ffn_gate.weight"] + sizes[f"blk.{i}.ffn_up.weight"]
+        # the K and V planes at context 128, f16
+        assert by["attention"].nbytes == 2 * 128 * g.n_head_kv * g.head_dim * 2
+        # each stage's input is the output of the one before, or a tail's (the residual's width)
+        for a, b in zip(stages, stages[1:]):
+            assert b.k == (g.n_embd if b.tail else a.rows) or (b.name == "ffn_down" and b.k == g.n_ff)
+
+
+def test_the_plan_lays_each_layer_end_to_end_and_the_head_apart():
+    layers = fc.token_plan(SMALL_GEOMETRY, SMALL_VOCAB, "q4_k_m")
+    rows = fc.plan_rows(layers)
+    assert rows.shape == (sum(len(s) for s in layers), fc.PLAN_COLUMNS) and rows.dtype == np.int32
+    at = 0
+    for stages in layers[:-1]:
+        chunk, at = rows[at : at + len(stages)], at + len(stages)
+        assert (chunk[:, 0] == 0).all() and chunk[0, 1] == 0
+        assert (chunk[1:, 1] == chunk[:-1, 1] + chunk[:-1, 2]).all()  # end to end, in 16-byte words
+        assert list(chunk[:, 2]) == [-(-s.nbytes // 16) for s in stages]
+        assert list(chunk[:, 5]) == [int(s.tail) for s in stages]
+    assert list(rows[-1, :2]) == [1, 0] and rows[-1, 5] == 1
+
+
+def test_the_kernels_compile_for_the_gpu():
+    """Where NVRTC is installed (not on CI): every kernel and barrier flavor builds for sm_90."""
+    from muse_mlx.kernels.cuda_prebuild import Nvrtc, mlx_source
+
+    try:
+        nvrtc = Nvrtc()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    types = "typedef unsigned int uint32_t; typedef int int32_t;\nnamespace cooperative_groups {}\n"
+    f32, u32, i32 = mx.float32, mx.uint32, mx.int32
+    cases = [("fusion_stage", fc.STAGE_BODY, ["w", "x"], [u32, f32], ["out"], [f32],
+              [("OFF", 0), ("LEN", 100), ("K", 64), ("ROWS", 32)]),
+             ("fusion_tail", fc.TAIL_BODY, ["src", "hidden", "norms"], [f32] * 3, ["hidden_out", "y"], [f32] * 2,
+              [("D", 256)])]
+    for flavor in fc.BARRIERS.values():
+        cases.append(("fusion_fused", fc.FUSED_BODY, ["w", "wh", "plan", "prev", "norms"], [u32, u32, i32, f32, f32],
+                      ["state", "sync"], [f32, u32], [("STAGES", 6), ("D", 256), ("CAP", 1024), ("BARRIERS", 1),
+                                                      ("PREV_ACT", 0), ("PREV_HID", 1), ("FLAVOR", flavor)]))
+        cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
+                      [("ITERS", 4), ("FLAVOR", flavor)]))
+    for name, body, ins, in_types, outs, out_types, template in cases:
+        source = types + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
+        cubin, lowered, _ = nvrtc.build(source, "sm_90", f"mlx::core::cu::{name}")
+        assert cubin[:4] == b"\x7fELF" and lowered.encode() in cubin
