@@ -412,7 +412,7 @@ def _time(step, carry, tokens: int, runs: int) -> list[float]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}; empty: none (default: all)")
     ap.add_argument("--layers", type=int, default=MUSE_GLIMMER_30B.n_layer, help="layers of the release geometry (default: 52)")
     ap.add_argument("--sms", type=int, default=132, help="the GPU's multiprocessors (H100 SXM and H200: 132)")
     ap.add_argument("--blocks-per-sm", type=int, default=2, help="fused grids: threadgroups per multiprocessor (default: 2)")
@@ -452,7 +452,7 @@ def main(argv=None):
                 sec = barrier_probe(args.sms * args.blocks_per_sm, args.threads, flavor, words)
                 print(f"barrier {flavor:8s} counter of {words:8d} words: "
                       + ("a wait gave up" if sec is None else f"{sec * 1e6:9.2f} us a barrier"), flush=True)
-    for waves in [int(w) for w in args.waves.split(",")]:
+    for waves in [int(w) for w in args.waves.split(",")] if modes else []:
         h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, waves, args.sms, args.barrier,
                     args.sync_words)
         wb = h.weight_bytes
