@@ -420,9 +420,10 @@ def main(argv=None):
     ap.add_argument("--waves", default="4", help="separate launches: threadgroups per multiprocessor, comma-separated (default: 4)")
     ap.add_argument("--tokens", type=int, default=32, help="chained tokens per timed run (default: 32)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs, after one warm-up (default: 5)")
-    ap.add_argument("--barrier", choices=sorted(BARRIERS), default="fence",
+    ap.add_argument("--barrier", choices=sorted(BARRIERS) + ["auto"], default="fence",
                     help="the fused kernels' grid barrier: fence (a fence, atomicAdd, volatile polls), acquire "
-                         "(a release add, acquire polls), sleep (acquire polls with a short sleep) (default: fence)")
+                         "(a release add, acquire polls), sleep (acquire polls with a short sleep), auto (the "
+                         "probe's fastest, with its counter size; implies --probe) (default: fence)")
     ap.add_argument("--sync-words", type=int, default=2,
                     help="words of the barrier's counter array (a large one is an allocation of its own; default: 2)")
     ap.add_argument("--probe", action="store_true",
@@ -446,12 +447,20 @@ def main(argv=None):
 
     copy, read = memory_bandwidths(1 << 30)
     print(f"copy {copy / 1e12:.3f} TB/s, sums read {read / 1e12:.3f} TB/s", flush=True)
-    if args.probe:
+    if args.probe or args.barrier == "auto":
+        timed = {}
         for flavor in sorted(BARRIERS):
             for words in (2, 1 << 20):
                 sec = barrier_probe(args.sms * args.blocks_per_sm, args.threads, flavor, words)
                 print(f"barrier {flavor:8s} counter of {words:8d} words: "
                       + ("a wait gave up" if sec is None else f"{sec * 1e6:9.2f} us a barrier"), flush=True)
+                if sec is not None:
+                    timed[(flavor, words)] = sec
+        if args.barrier == "auto":
+            if not timed:
+                sys.exit("every barrier's wait gave up: the fused grid's threadgroups are not all resident")
+            args.barrier, args.sync_words = min(timed, key=timed.get)
+            print(f"fused kernels: barrier {args.barrier}, counter of {args.sync_words} words", flush=True)
     for waves in [int(w) for w in args.waves.split(",")] if modes else []:
         h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, waves, args.sms, args.barrier,
                     args.sync_words)
