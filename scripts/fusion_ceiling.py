@@ -170,21 +170,29 @@ __device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
     return v;
 }
 // every threadgroup arrives, then waits for all; gives up (flag 1 in sync[1]) after about 2^31
-// cycles. FLAVOR 0: a fence, atomicAdd, volatile polls; 1: a release add and acquire polls (gpu
-// scope); 2: as 1, with a short sleep between polls (fewer loads on the counter's line)
+// cycles. FLAVOR 0: a fence, atomicAdd, volatile polls of the counter; 1: a release add and acquire
+// polls (gpu scope); 2: as 1, with a short sleep between polls; 3: the last to arrive (an acq_rel
+// add returns the count before it) releases the others through a flag of its own 128-byte line,
+// sync[32], which changes once a barrier where the counter changes once per threadgroup
 template <int FLAVOR>
 __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
+        unsigned* poll = FLAVOR == 3 ? sync + 32 : sync;
         if (FLAVOR == 0) {
             __threadfence();
             atomicAdd(sync, 1u);
+        } else if (FLAVOR == 3) {
+            unsigned before;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(sync) : "memory");
+            if (before + 1u == target)
+                asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(poll), "r"(target) : "memory");
         } else {
             asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(sync) : "memory");
         }
         const long long start = clock64();
         // (once one threadgroup gave up, the others stop waiting too: a second a barrier, not minutes)
-        while ((FLAVOR == 0 ? *(volatile unsigned*)sync : fc_ld_acquire(sync)) < target
+        while ((FLAVOR == 0 ? *(volatile unsigned*)poll : fc_ld_acquire(poll)) < target
                && !*(volatile unsigned*)(sync + 1)) {
             if (FLAVOR == 2) __nanosleep(64);
             if (clock64() - start > (1ll << 31)) { atomicExch(sync + 1, 1u); break; }
@@ -268,7 +276,8 @@ PROBE_BODY = r"""
     for (unsigned i = 1; i <= ITERS; ++i) fc_grid_barrier<FLAVOR>(sync, i * gridDim.x);
 """
 
-BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2}
+BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3}
+SYNC_WORDS = 64  # the least counter array: the counter, the flags, the release flag at word 32
 
 
 def _kernels():
@@ -307,7 +316,7 @@ class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, waves: int, sms: int,
                  barrier: str = "fence", sync_words: int = 2):
         self.layers, self.g, self.threads = layers, g, threads
-        self.flavor, self.sync_words = BARRIERS[barrier], max(2, sync_words)
+        self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.fused_blocks, self.separate_blocks = fused_blocks, waves * sms
         self.k = _kernels()
         self.D = g.n_embd
@@ -386,7 +395,7 @@ def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters
         t0 = time.perf_counter()
         sync = k(inputs=[unused], template=[("ITERS", iters), ("FLAVOR", BARRIERS[flavor])],
                  grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
-                 output_shapes=[(max(2, sync_words),)], output_dtypes=[mx.uint32], init_value=0)[0]
+                 output_shapes=[(max(SYNC_WORDS, sync_words),)], output_dtypes=[mx.uint32], init_value=0)[0]
         mx.eval(sync)
         if r:
             secs.append((time.perf_counter() - t0) / iters)
@@ -422,10 +431,12 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=5, help="timed runs, after one warm-up (default: 5)")
     ap.add_argument("--barrier", choices=sorted(BARRIERS) + ["auto"], default="fence",
                     help="the fused kernels' grid barrier: fence (a fence, atomicAdd, volatile polls), acquire "
-                         "(a release add, acquire polls), sleep (acquire polls with a short sleep), auto (the "
+                         "(a release add, acquire polls), sleep (acquire polls with a short sleep), flag (the last to "
+                         "arrive releases the others through a flag), auto (the "
                          "probe's fastest, with its counter size; implies --probe) (default: fence)")
-    ap.add_argument("--sync-words", type=int, default=2,
-                    help="words of the barrier's counter array (a large one is an allocation of its own; default: 2)")
+    ap.add_argument("--sync-words", type=int, default=SYNC_WORDS,
+                    help=f"words of the barrier's counter array (a large one is an allocation of its own; "
+                         f"default and least: {SYNC_WORDS})")
     ap.add_argument("--probe", action="store_true",
                     help="first time grid barriers alone, per flavor and counter size, at the fused grid")
     args = ap.parse_args(argv)
@@ -450,7 +461,7 @@ def main(argv=None):
     if args.probe or args.barrier == "auto":
         timed = {}
         for flavor in sorted(BARRIERS):
-            for words in (2, 1 << 20):
+            for words in (SYNC_WORDS, 1 << 20):
                 sec = barrier_probe(args.sms * args.blocks_per_sm, args.threads, flavor, words)
                 print(f"barrier {flavor:8s} counter of {words:8d} words: "
                       + ("a wait gave up" if sec is None else f"{sec * 1e6:9.2f} us a barrier"), flush=True)
