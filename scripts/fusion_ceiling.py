@@ -30,7 +30,9 @@ kernels are a measurement, not a route (they compute nothing a model uses).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import statistics
 import sys
 import time
@@ -42,8 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gguf import GGML_QUANT_SIZES  # noqa: E402
-
+from muse_mlx.quants import row_bytes  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry, tensor_shapes, tensor_type  # noqa: E402
 
@@ -60,11 +61,13 @@ class Stage:
     tail: bool  # a norm tail runs first (its output is the input)
 
 
-def _bytes(name: str, shape, mix: str, g: Geometry, vocab: int) -> int:
-    qtype = tensor_type(name, shape, mix, g.n_layer, False)
-    block, size = GGML_QUANT_SIZES[qtype]
-    n = int(np.prod(shape))
-    return n // block * size
+def _bytes(name: str, shape, mix: str, g: Geometry) -> int:
+    return shape[0] * row_bytes(tensor_type(name, shape, mix, g.n_layer, False), shape[1])
+
+
+def _words(nbytes: int) -> int:
+    """16-byte words, rounded up: the kernels' unit of offset and length."""
+    return -(-nbytes // 16)
 
 
 def token_plan(g: Geometry = MUSE_GLIMMER_30B, vocab: int = RELEASE_VOCAB, mix: str = "q4_k_m",
@@ -78,7 +81,7 @@ def token_plan(g: Geometry = MUSE_GLIMMER_30B, vocab: int = RELEASE_VOCAB, mix: 
         p = f"blk.{i}."
 
         def b(*names):
-            return sum(_bytes(p + n + ".weight", shapes[p + n + ".weight"], mix, g, vocab) for n in names)
+            return sum(_bytes(p + n + ".weight", shapes[p + n + ".weight"], mix, g) for n in names)
 
         layers.append([
             Stage("q|k|v|gate", b("attn_q", "attn_k", "attn_v", "attn_gate"), D, 2 * q + 2 * kv, True),
@@ -87,7 +90,7 @@ def token_plan(g: Geometry = MUSE_GLIMMER_30B, vocab: int = RELEASE_VOCAB, mix: 
             Stage("gate+up", b("ffn_gate", "ffn_up"), D, 2 * g.n_ff, True),
             Stage("ffn_down", b("ffn_down"), g.n_ff, D, False),
         ])
-    layers.append([Stage("head", _bytes("output.weight", shapes["output.weight"], mix, g, vocab), D, vocab, True)])
+    layers.append([Stage("head", _bytes("output.weight", shapes["output.weight"], mix, g), D, vocab, True)])
     return layers
 
 
@@ -280,6 +283,7 @@ BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3}
 SYNC_WORDS = 64  # the least counter array: the counter, the flags, the release flag at word 32
 
 
+@functools.cache
 def _kernels():
     return dict(
         stage=mx.fast.cuda_kernel(name="fusion_stage", input_names=["w", "x"], output_names=["out"], source=STAGE_BODY,
@@ -298,7 +302,7 @@ def _offsets(stages: list[Stage]) -> list[int]:
     at, out = 0, []
     for s in stages:
         out.append(at)
-        at += -(-s.nbytes // 16)
+        at += _words(s.nbytes)
     return out
 
 
@@ -308,22 +312,23 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
     for li, stages in enumerate(layers):
         head = li == len(layers) - 1 and stages[0].name == "head"
         for s, off in zip(stages, _offsets(stages)):
-            rows.append([int(head), off, -(-s.nbytes // 16), s.k, s.rows, int(s.tail)])
+            rows.append([int(head), off, _words(s.nbytes), s.k, s.rows, int(s.tail)])
     return np.array(rows, dtype=np.int32)
 
 
 class Harness:
-    def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, waves: int, sms: int,
+    def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
                  barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
-        self.fused_blocks, self.separate_blocks = fused_blocks, waves * sms
+        # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
+        self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
         self.D = g.n_embd
         self.cap = max(s.rows for st in layers[:-1] for s in st)
-        layer_words = max(sum(-(-s.nbytes // 16) for s in st) for st in layers[:-1])
-        head_words = -(-layers[-1][0].nbytes // 16)
+        layer_words = max(sum(_words(s.nbytes) for s in st) for st in layers[:-1])
+        head_words = _words(layers[-1][0].nbytes)
         # random words: what a weight file holds (zeros could be cheaper on some memory systems)
         self.w = mx.random.randint(0, 2**31 - 1, (layer_words * 4,), dtype=mx.int32).view(mx.uint32)
         self.wh = mx.random.randint(0, 2**31 - 1, (head_words * 4,), dtype=mx.int32).view(mx.uint32)
@@ -333,7 +338,7 @@ class Harness:
 
     def _stage(self, stage: Stage, off: int, x, buf):
         return self.k["stage"](
-            inputs=[buf, x], template=[("OFF", off), ("LEN", -(-stage.nbytes // 16)), ("K", stage.k), ("ROWS", stage.rows)],
+            inputs=[buf, x], template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows)],
             grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(stage.rows,)], output_dtypes=[mx.float32])[0]
 
@@ -355,11 +360,14 @@ class Harness:
                 src = x
         return src, hidden
 
-    def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
+    def _plan(self, layers) -> np.ndarray:
         rows = plan_rows(layers)
         if not self.tails:  # the stages read the output before them from memory, as if no tail ran
             rows[:, 5] = 0
-        plan = mx.array(rows)
+        return rows
+
+    def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
+        plan = mx.array(self._plan(layers))
         n = plan.shape[0]
         return self.k["fused"](
             inputs=[self.w, self.wh, plan, prev, self.norms],
@@ -371,9 +379,7 @@ class Harness:
 
     def _parity(self, layers):
         """Where a launch of ``layers`` leaves its last output and its last hidden (act, hid slots)."""
-        rows = plan_rows(layers)
-        if not self.tails:
-            rows[:, 5] = 0
+        rows = self._plan(layers)
         return (len(rows) - 1) & 1, (int(rows[:, 5].sum()) - 1) & 1
 
     def fused_layer(self, state):
@@ -454,8 +460,6 @@ def main(argv=None):
             ap.error(f"--modes: unknown mode {m!r} (expected some of {', '.join(MODES)})")
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         sys.exit("fusion_ceiling.py needs MLX's CUDA backend (its kernels are CUDA and a measurement of the GPU)")
-    import dataclasses
-
     g = dataclasses.replace(MUSE_GLIMMER_30B, n_layer=args.layers)
     layers = token_plan(g)
     print(f"{datetime.date.today()}  mlx {mx.__version__}  {mx.device_info(mx.gpu).get('device_name', '?')}  "
@@ -480,41 +484,43 @@ def main(argv=None):
                 sys.exit("every barrier's wait gave up: the fused grid's threadgroups are not all resident")
             args.barrier, args.sync_words = min(timed, key=timed.get)
             print(f"fused kernels: barrier {args.barrier}, counter of {args.sync_words} words", flush=True)
-    for waves in [int(w) for w in args.waves.split(",")] if modes else []:
-        h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, waves, args.sms, args.barrier,
-                    args.sync_words, tails=not args.no_tails)
-        wb = h.weight_bytes
-        for m in modes:
-            if m != "separate" and waves != int(args.waves.split(",")[0]):
-                continue  # the fused kernels do not depend on --waves
-            if m == "separate":
-                carry = (mx.ones((h.cap,)), mx.ones((h.D,)))
-                step = mx.compile(h.separate)
-            else:
-                state0 = mx.ones((2 * h.cap + 2 * h.D,))
-                fn = {"fused-layer": h.fused_layer, "fused-token": h.fused_token,
-                      "stream": lambda s: h.fused_token(s, barriers=False)}[m]
-                compiled = mx.compile(fn)
-                flags = []
+    if not modes:
+        return
+    h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
+                args.sync_words, tails=not args.no_tails)
+    wb = h.weight_bytes
+    # the separate launches once per --waves value, where they come in --modes; the others once
+    cases = [(m, w) for m in modes for w in ([int(w) for w in args.waves.split(",")] if m == "separate" else [0])]
+    for m, waves in cases:
+        if m == "separate":
+            h.separate_blocks = waves * args.sms
+            carry = (mx.ones((h.cap,)), mx.ones((h.D,)))
+            step = mx.compile(h.separate)
+        else:
+            state0 = mx.ones((2 * h.cap + 2 * h.D,))
+            fn = {"fused-layer": h.fused_layer, "fused-token": h.fused_token,
+                  "stream": lambda s: h.fused_token(s, barriers=False)}[m]
+            compiled = mx.compile(fn)
+            flags = []
 
-                def step(c, compiled=compiled, flags=flags):
-                    s, f = compiled(c)
-                    flags.append(f)
-                    return s
-                carry = state0
-            secs = _time(step, carry, args.tokens, args.runs)
-            if m != "separate":
-                seen = int(np.bitwise_or.reduce(np.concatenate([np.array(f).ravel() for f in flags])))
-                if seen:
-                    why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
-                                                     (2, "a tail read rows its stage had not written")) if seen & bit)
-                    print(f"{m}: {why}: figures void", flush=True)
-                    continue
-            med = statistics.median(secs)
-            label = f"{m} ({waves} waves)" if m == "separate" else m
-            print(f"{label:22s} {med * 1e3:7.3f} ms a token = {1 / med:6.1f} tok/s; {wb / med / 1e12:.3f} TB/s "
-                  f"= {wb / med / copy:.0%} of copy, {wb / med / read:.0%} of read; "
-                  f"runs {[round(s * 1e3, 3) for s in secs]}", flush=True)
+            def step(c, compiled=compiled, flags=flags):
+                s, f = compiled(c)
+                flags.append(f)
+                return s
+            carry = state0
+        secs = _time(step, carry, args.tokens, args.runs)
+        if m != "separate":
+            seen = int(np.bitwise_or.reduce(np.concatenate([np.array(f).ravel() for f in flags])))
+            if seen:
+                why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
+                                                 (2, "a tail read rows its stage had not written")) if seen & bit)
+                print(f"{m}: {why}: figures void", flush=True)
+                continue
+        med = statistics.median(secs)
+        label = f"{m} ({waves} waves)" if m == "separate" else m
+        print(f"{label:22s} {med * 1e3:7.3f} ms a token = {1 / med:6.1f} tok/s; {wb / med / 1e12:.3f} TB/s "
+              f"= {wb / med / copy:.0%} of copy, {wb / med / read:.0%} of read; "
+              f"runs {[round(s * 1e3, 3) for s in secs]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -58,13 +58,12 @@ def test_the_plan_lays_each_layer_end_to_end_and_the_head_apart():
 
 def test_the_kernels_compile_for_the_gpu():
     """Where NVRTC is installed (not on CI): every kernel and barrier flavor builds for sm_90."""
-    from muse_mlx.kernels.cuda_prebuild import Nvrtc, mlx_source
+    from muse_mlx.kernels.cuda_prebuild import OWN_HEADER, Nvrtc, mlx_source
 
     try:
         nvrtc = Nvrtc()
     except RuntimeError as e:
         pytest.skip(str(e))
-    types = "typedef unsigned int uint32_t; typedef int int32_t;\nnamespace cooperative_groups {}\n"
     f32, u32, i32 = mx.float32, mx.uint32, mx.int32
     cases = [("fusion_stage", fc.STAGE_BODY, ["w", "x"], [u32, f32], ["out"], [f32],
               [("OFF", 0), ("LEN", 100), ("K", 64), ("ROWS", 32)]),
@@ -77,6 +76,6 @@ def test_the_kernels_compile_for_the_gpu():
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     for name, body, ins, in_types, outs, out_types, template in cases:
-        source = types + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
+        source = OWN_HEADER + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
         cubin, lowered, _ = nvrtc.build(source, "sm_90", f"mlx::core::cu::{name}")
         assert cubin[:4] == b"\x7fELF" and lowered.encode() in cubin
