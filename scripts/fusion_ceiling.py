@@ -1,6 +1,6 @@
 """What the kernel boundaries of a decoded token cost on CUDA, measured with a plain stream.
 
-    python scripts/fusion_ceiling.py [--modes separate,fused-layer,fused-token,stream] [--runs 5]
+    python scripts/fusion_ceiling.py [--modes separate,separate-folded,fused-layer,fused-token,stream] [--runs 5]
 
 The q8 route decodes a release-geometry token in about 5.8 ms on the H200, 0.7 ms short of the
 issue's goal, and its timeline spends it in 365 dependent kernels (seven a layer: the q|k|v|gate
@@ -15,6 +15,10 @@ first, as a matvec reads it), in four structures:
 
 * ``separate``: one launch per stage and one single-threadgroup launch per norm tail (two
   reductions over the 6,656-wide residual), as the q8 route runs today;
+* ``separate-folded``: one launch per stage, the tails folded into the stage after them: every
+  threadgroup of that stage puts its first weight loads in flight, computes the tail itself and
+  then streams (the first threadgroup also writes the new residual): 261 launches instead of 365,
+  no grid barrier, so no residency condition;
 * ``fused-layer``: one launch per layer; the stages inside it are separated by a grid-wide
   barrier (an atomic counter), every threadgroup computes the norm tail itself after the barrier,
   and each threadgroup loads the first slab of its next stage's weights before waiting;
@@ -48,7 +52,7 @@ from muse_mlx.quants import row_bytes  # noqa: E402
 from muse_mlx.synthetic import RELEASE_VOCAB  # noqa: E402
 from muse_mlx.writer import MUSE_GLIMMER_30B, Geometry, tensor_shapes, tensor_type  # noqa: E402
 
-MODES = ("separate", "fused-layer", "fused-token", "stream")
+MODES = ("separate", "separate-folded", "fused-layer", "fused-token", "stream")
 PLAN_COLUMNS = 6  # buffer (0 layer, 1 head), offset and length in 16-byte words, input and output length, tail first
 
 
@@ -224,6 +228,22 @@ TAIL_BODY = r"""
     fc_tail(src, hidden, norms, norms + D, D, y, hidden_out, red);
 """
 
+# one stage with the norm tail before it folded in, its own launch; inputs: w, src (the output
+# before the tail), hidden, norms; outputs: out, hidden_out (written by the first threadgroup)
+FOLDED_BODY = r"""
+    __shared__ float red[32];
+    __shared__ float ys[D];
+    long long begin, end;
+    fc_slab(LEN, gridDim.x, blockIdx.x, begin, end);
+    const uint4* w4 = reinterpret_cast<const uint4*>(w) + OFF;
+    uint4 pre[FC_U];
+    fc_first(w4, begin, end, pre);  // the weights' first loads in flight during the tail
+    fc_tail(src, hidden, norms, norms + D, D, ys, blockIdx.x == 0 ? hidden_out : nullptr, red);
+    float seed = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) seed += ys[i];
+    fc_write(out, ROWS, ROWS, gridDim.x, blockIdx.x, fc_stream(w4, begin, end, pre), seed, 0);
+"""
+
 # the stages of ``plan`` in one launch. inputs: w (a layer's buffer), wh (the head's), plan,
 # prev (the state the launch before left: act[2][CAP], then hid[2][D]), norms (w1, w2)
 # outputs: state (this launch's act and hid), sync (the barrier's counter; flags: 1 a wait gave up,
@@ -290,6 +310,8 @@ def _kernels():
                                   header=HEADER),
         tail=mx.fast.cuda_kernel(name="fusion_tail", input_names=["src", "hidden", "norms"],
                                  output_names=["hidden_out", "y"], source=TAIL_BODY, header=HEADER),
+        folded=mx.fast.cuda_kernel(name="fusion_folded", input_names=["w", "src", "hidden", "norms"],
+                                   output_names=["out", "hidden_out"], source=FOLDED_BODY, header=HEADER),
         fused=mx.fast.cuda_kernel(name="fusion_fused", input_names=["w", "wh", "plan", "prev", "norms"],
                                   output_names=["state", "sync"], source=FUSED_BODY, header=HEADER),
         probe=mx.fast.cuda_kernel(name="fusion_barrier_probe", input_names=["unused"], output_names=["sync"],
@@ -347,16 +369,27 @@ class Harness:
             inputs=[src, hidden, self.norms], template=[("D", self.D)], grid=(1024, 1, 1), threadgroup=(1024, 1, 1),
             output_shapes=[(self.D,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
-    def separate(self, carry):
-        """One token as the q8 route launches it: a kernel per stage and per tail."""
+    def _folded(self, stage: Stage, off: int, src, hidden, buf):
+        return self.k["folded"](
+            inputs=[buf, src, hidden, self.norms],
+            template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows), ("D", self.D)],
+            grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
+            output_shapes=[(stage.rows,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
+
+    def separate(self, carry, folded: bool = False):
+        """One token as the q8 route launches it: a kernel per stage and per tail, or (``folded``)
+        a kernel per stage, each tail computed by every threadgroup of the stage after it."""
         src, hidden = carry
         for li, stages in enumerate(self.layers):
             buf = self.wh if li == len(self.layers) - 1 else self.w
             x = None
             for s, off in zip(stages, _offsets(stages)):
-                if s.tail:
-                    hidden, x = self._tail(src[: self.D], hidden)
-                x = self._stage(s, off, x, buf)
+                if s.tail and folded:
+                    x, hidden = self._folded(s, off, src[: self.D], hidden, buf)
+                else:
+                    if s.tail:
+                        hidden, x = self._tail(src[: self.D], hidden)
+                    x = self._stage(s, off, x, buf)
                 src = x
         return src, hidden
 
@@ -490,12 +523,12 @@ def main(argv=None):
                 args.sync_words, tails=not args.no_tails)
     wb = h.weight_bytes
     # the separate launches once per --waves value, where they come in --modes; the others once
-    cases = [(m, w) for m in modes for w in ([int(w) for w in args.waves.split(",")] if m == "separate" else [0])]
+    cases = [(m, w) for m in modes for w in ([int(w) for w in args.waves.split(",")] if m.startswith("separate") else [0])]
     for m, waves in cases:
-        if m == "separate":
+        if m.startswith("separate"):
             h.separate_blocks = waves * args.sms
             carry = (mx.ones((h.cap,)), mx.ones((h.D,)))
-            step = mx.compile(h.separate)
+            step = mx.compile(lambda c, folded=m == "separate-folded": h.separate(c, folded))
         else:
             state0 = mx.ones((2 * h.cap + 2 * h.D,))
             fn = {"fused-layer": h.fused_layer, "fused-token": h.fused_token,
@@ -509,7 +542,7 @@ def main(argv=None):
                 return s
             carry = state0
         secs = _time(step, carry, args.tokens, args.runs)
-        if m != "separate":
+        if not m.startswith("separate"):
             seen = int(np.bitwise_or.reduce(np.concatenate([np.array(f).ravel() for f in flags])))
             if seen:
                 why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
@@ -517,7 +550,7 @@ def main(argv=None):
                 print(f"{m}: {why}: figures void", flush=True)
                 continue
         med = statistics.median(secs)
-        label = f"{m} ({waves} waves)" if m == "separate" else m
+        label = f"{m} ({waves} waves)" if m.startswith("separate") else m
         print(f"{label:22s} {med * 1e3:7.3f} ms a token = {1 / med:6.1f} tok/s; {wb / med / 1e12:.3f} TB/s "
               f"= {wb / med / copy:.0%} of copy, {wb / med / read:.0%} of read; "
               f"runs {[round(s * 1e3, 3) for s in secs]}", flush=True)

@@ -68,7 +68,9 @@ def test_the_kernels_compile_for_the_gpu():
     cases = [("fusion_stage", fc.STAGE_BODY, ["w", "x"], [u32, f32], ["out"], [f32],
               [("OFF", 0), ("LEN", 100), ("K", 64), ("ROWS", 32)]),
              ("fusion_tail", fc.TAIL_BODY, ["src", "hidden", "norms"], [f32] * 3, ["hidden_out", "y"], [f32] * 2,
-              [("D", 256)])]
+              [("D", 256)]),
+             ("fusion_folded", fc.FOLDED_BODY, ["w", "src", "hidden", "norms"], [u32] + [f32] * 3,
+              ["out", "hidden_out"], [f32] * 2, [("OFF", 0), ("LEN", 100), ("K", 256), ("ROWS", 32), ("D", 256)])]
     for flavor in fc.BARRIERS.values():
         cases.append(("fusion_fused", fc.FUSED_BODY, ["w", "wh", "plan", "prev", "norms"], [u32, u32, i32, f32, f32],
                       ["state", "sync"], [f32, u32], [("STAGES", 6), ("D", 256), ("CAP", 1024), ("BARRIERS", 1),
