@@ -25,6 +25,12 @@ first, as a matvec reads it), in four structures:
 * ``fused-token``: the same for the whole token in one launch (52 layers and the head);
 * ``stream``: the fused-token kernel without barriers or tails, the bytes alone: the ceiling.
 
+``--rings`` gives the fused kernels a ring of weight chunks in threadgroup memory, filled by
+``cp.async`` in the order each threadgroup reads them: the loads then run ahead of the data, through
+every barrier and tail, by as many chunks as the ring holds (a persistent decode kernel's way to
+keep the stream going at a dependency). Every fused launch also sums what it read (order-free), and
+a case whose sum differs from the first fused case's is void.
+
 A grid-wide barrier is only safe when every threadgroup is resident at once, so the fused grids
 are ``--sms`` x ``--blocks-per-sm``; a barrier that waits more than about a second gives up and
 the script reports it (instead of hanging). CUDA only: Metal offers no such guarantee, and these
@@ -171,6 +177,37 @@ __device__ __forceinline__ void fc_write(float* out, int rows, int cap, int nb, 
     const int per = (rows + nb - 1) / nb;
     for (int r = b * per + threadIdx.x; r < (b + 1) * per && r < rows && r < cap; r += blockDim.x) out[r] = v;
 }
+// the ring (RING > 0): chunks of one 16-byte word a thread in threadgroup memory, loaded by cp.async
+// in the order the threadgroup reads them (its slab of each stage in turn), RING chunks ahead of the
+// one it reads, so the weight loads go on through every barrier and tail. Each thread loads and reads
+// only its own word of a chunk: no threadgroup barrier guards the ring
+struct FcCursor { int s; long long c, chunks, begin, end; };
+__device__ __forceinline__ void fc_cursor_stage(FcCursor& k, const int* plan, int stages) {
+    for (k.c = 0; k.s < stages; ++k.s) {  // the next stage with a non-empty slab
+        fc_slab(plan[k.s * 6 + 2], gridDim.x, blockIdx.x, k.begin, k.end);
+        k.chunks = (k.end - k.begin + blockDim.x - 1) / blockDim.x;
+        if (k.chunks > 0) return;
+    }
+}
+__device__ __forceinline__ void fc_put(FcCursor& k, const int* plan, int stages, const uint32_t* w,
+                                       const uint32_t* wh, uint4* chunk) {
+    if (k.s < stages) {
+        const int* p = plan + k.s * 6;
+        const uint4* w4 = reinterpret_cast<const uint4*>(p[0] ? wh : w) + p[1];
+        const long long i = k.begin + k.c * blockDim.x + threadIdx.x;
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(chunk + threadIdx.x);
+        // past the slab: 0 bytes copied from a readable address, the word zero-filled (as fc_stream)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(dst), "l"(i < k.end ? w4 + i : w4), "r"(i < k.end ? 16 : 0) : "memory");
+        if (++k.c == k.chunks) { ++k.s; fc_cursor_stage(k, plan, stages); }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");  // a group every call, empty past the end
+}
+// the sum (mod 2^32) of every word's xor-fold the grid read: order-free, so equal across structures
+__device__ __forceinline__ void fc_checksum(unsigned* at, unsigned v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) atomicAdd(at, v);
+}
 __device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -246,18 +283,26 @@ FOLDED_BODY = r"""
 
 # the stages of ``plan`` in one launch. inputs: w (a layer's buffer), wh (the head's), plan,
 # prev (the state the launch before left: act[2][CAP], then hid[2][D]), norms (w1, w2)
-# outputs: state (this launch's act and hid), sync (the barrier's counter; flags: 1 a wait gave up,
-# 2 a tail read a row its stage had not written)
+# outputs: state (this launch's act and hid), sync (the barrier's counter; sync[1], flags: 1 a wait
+# gave up, 2 a tail read a row its stage had not written; sync[2], the checksum of the words read).
+# RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes)
 FUSED_BODY = r"""
     __shared__ float red[32];
-    __shared__ float ys[D];
+    __shared__ float ys_own[RING ? 1 : D];
+    extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys
+    uint4* ring = fc_dyn;
+    float* ys = RING ? reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) : ys_own;
     float* act = state;
     float* hid = state + 2 * CAP;
-    unsigned arrivals = 0u;
-    int tails = 0;
+    unsigned arrivals = 0u, total = 0u;
+    int tails = 0, slot = 0;
     uint4 pre[FC_U];
     long long begin, end;
-    {
+    FcCursor put{0, 0, 0, 0, 0};
+    if (RING) {
+        fc_cursor_stage(put, plan, STAGES);
+        for (int r = 0; r < RING; ++r) fc_put(put, plan, STAGES, w, wh, ring + r * blockDim.x);
+    } else {
         const int* p = plan;
         fc_slab(p[2], gridDim.x, blockIdx.x, begin, end);
         fc_first(reinterpret_cast<const uint4*>(p[0] ? wh : w) + p[1], begin, end, pre);
@@ -282,15 +327,30 @@ FUSED_BODY = r"""
             const float* x = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
             for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(x + i);
         }
-        const unsigned acc = fc_stream(w4, begin, end, pre);
-        if (s + 1 < STAGES) {  // the next stage's first loads, before the wait
-            const int* q = p + 6;
-            fc_slab(q[2], gridDim.x, blockIdx.x, begin, end);
-            fc_first(reinterpret_cast<const uint4*>(q[0] ? wh : w) + q[1], begin, end, pre);
+        unsigned acc = 0u;
+        if (RING) {  // this stage's chunks from the ring, each refilled with the chunk RING ahead
+            long long b, e;
+            fc_slab(p[2], gridDim.x, blockIdx.x, b, e);
+            for (long long c = (e - b + blockDim.x - 1) / blockDim.x; c > 0; --c) {
+                asm volatile("cp.async.wait_group %0;" :: "n"(RING ? RING - 1 : 0) : "memory");
+                const uint4 v = ring[slot * blockDim.x + threadIdx.x];
+                acc += v.x ^ v.y ^ v.z ^ v.w;
+                fc_put(put, plan, STAGES, w, wh, ring + slot * blockDim.x);
+                slot = slot + 1 == RING ? 0 : slot + 1;
+            }
+        } else {
+            acc = fc_stream(w4, begin, end, pre);
+            if (s + 1 < STAGES) {  // the next stage's first loads, before the wait
+                const int* q = p + 6;
+                fc_slab(q[2], gridDim.x, blockIdx.x, begin, end);
+                fc_first(reinterpret_cast<const uint4*>(q[0] ? wh : w) + q[1], begin, end, pre);
+            }
         }
+        total += acc;
         fc_write(act + (s & 1) * CAP, rows, CAP, gridDim.x, blockIdx.x, acc, seed, s);
         if (BARRIERS && s + 1 < STAGES) fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
     }
+    fc_checksum(sync + 2, total);
 """
 
 
@@ -312,11 +372,25 @@ def _kernels():
                                  output_names=["hidden_out", "y"], source=TAIL_BODY, header=HEADER),
         folded=mx.fast.cuda_kernel(name="fusion_folded", input_names=["w", "src", "hidden", "norms"],
                                    output_names=["out", "hidden_out"], source=FOLDED_BODY, header=HEADER),
-        fused=mx.fast.cuda_kernel(name="fusion_fused", input_names=["w", "wh", "plan", "prev", "norms"],
-                                  output_names=["state", "sync"], source=FUSED_BODY, header=HEADER),
         probe=mx.fast.cuda_kernel(name="fusion_barrier_probe", input_names=["unused"], output_names=["sync"],
                                   source=PROBE_BODY, header=HEADER),
     )
+
+
+@functools.cache
+def _fused_kernel(shared_bytes: int):
+    """The fused kernel with ``shared_bytes`` of dynamic threadgroup memory (its ring and ys)."""
+    return mx.fast.cuda_kernel(name="fusion_fused", input_names=["w", "wh", "plan", "prev", "norms"],
+                               output_names=["state", "sync"], source=FUSED_BODY, header=HEADER,
+                               shared_memory=shared_bytes)
+
+
+def ring_bytes(ring: int, threads: int, d: int) -> int:
+    """The fused kernel's dynamic threadgroup memory: the ring's chunks and ys, or none without a ring."""
+    return ring * threads * 16 + d * 4 if ring else 0
+
+
+SM_SHARED = 228 * 1024  # an H100's or H200's threadgroup memory a multiprocessor (1 KB of it a threadgroup's own)
 
 
 def _offsets(stages: list[Stage]) -> list[int]:
@@ -344,6 +418,7 @@ class Harness:
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
+        self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
@@ -402,10 +477,10 @@ class Harness:
     def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
         plan = mx.array(self._plan(layers))
         n = plan.shape[0]
-        return self.k["fused"](
+        return _fused_kernel(ring_bytes(self.ring, self.threads, self.D))(
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
-                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor)],
+                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring)],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(2 * self.cap + 2 * self.D,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
@@ -421,13 +496,13 @@ class Harness:
         for li in range(len(self.layers)):
             state, sync = self._fused(self.layers[li:li + 1], state, True, act, hid)
             act, hid = self._parity(self.layers[li:li + 1])
-            flags.append(sync[1])
+            flags.append(sync[1:3])
         return state, mx.stack(flags)
 
     def fused_token(self, state, barriers=True):
         act, hid = self._parity(self.layers)
         state, sync = self._fused(self.layers, state, barriers, act, hid)
-        return state, sync[1]
+        return state, sync[1:3]
 
 
 def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters: int = 200, runs: int = 3):
@@ -472,6 +547,10 @@ def main(argv=None):
     ap.add_argument("--blocks-per-sm", type=int, default=2, help="fused grids: threadgroups per multiprocessor (default: 2)")
     ap.add_argument("--threads", type=int, default=512, help="threads per threadgroup (default: 512)")
     ap.add_argument("--waves", default="4", help="separate launches: threadgroups per multiprocessor, comma-separated (default: 4)")
+    ap.add_argument("--rings", default="0",
+                    help="fused kernels (fused-layer, fused-token, stream): the weights through a ring of this many "
+                         "chunks (a 16-byte word a thread) in threadgroup memory, loaded ahead by cp.async across "
+                         "barriers and tails; 0: a thread's 4 loads in flight, no ring; comma-separated (default: 0)")
     ap.add_argument("--tokens", type=int, default=32, help="chained tokens per timed run (default: 32)")
     ap.add_argument("--runs", type=int, default=5, help="timed runs, after one warm-up (default: 5)")
     ap.add_argument("--barrier", choices=sorted(BARRIERS) + ["auto"], default="fence",
@@ -491,6 +570,15 @@ def main(argv=None):
     for m in modes:
         if m not in MODES:
             ap.error(f"--modes: unknown mode {m!r} (expected some of {', '.join(MODES)})")
+    try:
+        waves, rings = ([int(v) for v in a.split(",")] for a in (args.waves, args.rings))
+    except ValueError:
+        ap.error(f"--waves {args.waves!r} and --rings {args.rings!r}: comma-separated whole numbers")
+    for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
+        need = args.blocks_per_sm * (ring_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd) + 128 + 1024)
+        if r < 0 or need > SM_SHARED:
+            ap.error(f"--rings {r}: {args.blocks_per_sm} threadgroups of {args.threads} threads need {need} bytes of "
+                     f"threadgroup memory a multiprocessor, more than its {SM_SHARED}")
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         sys.exit("fusion_ceiling.py needs MLX's CUDA backend (its kernels are CUDA and a measurement of the GPU)")
     g = dataclasses.replace(MUSE_GLIMMER_30B, n_layer=args.layers)
@@ -522,14 +610,16 @@ def main(argv=None):
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
                 args.sync_words, tails=not args.no_tails)
     wb = h.weight_bytes
-    # the separate launches once per --waves value, where they come in --modes; the others once
-    cases = [(m, w) for m in modes for w in ([int(w) for w in args.waves.split(",")] if m.startswith("separate") else [0])]
-    for m, waves in cases:
+    # the separate launches once per --waves value, the fused ones once per --rings value
+    cases = [(m, v) for m in modes for v in (waves if m.startswith("separate") else rings)]
+    checksums = {}  # the words a token's fused launches read, summed: the same for every structure
+    for m, v in cases:
         if m.startswith("separate"):
-            h.separate_blocks = waves * args.sms
+            h.separate_blocks = v * args.sms
             carry = (mx.ones((h.cap,)), mx.ones((h.D,)))
             step = mx.compile(lambda c, folded=m == "separate-folded": h.separate(c, folded))
         else:
+            h.ring = v
             state0 = mx.ones((2 * h.cap + 2 * h.D,))
             fn = {"fused-layer": h.fused_layer, "fused-token": h.fused_token,
                   "stream": lambda s: h.fused_token(s, barriers=False)}[m]
@@ -542,15 +632,21 @@ def main(argv=None):
                 return s
             carry = state0
         secs = _time(step, carry, args.tokens, args.runs)
+        label = f"{m} ({v} waves)" if m.startswith("separate") else f"{m} (ring {v})" if v else m
         if not m.startswith("separate"):
-            seen = int(np.bitwise_or.reduce(np.concatenate([np.array(f).ravel() for f in flags])))
-            if seen:
+            # per token: (flags, checksum) of each launch
+            per = [np.array(f, dtype=np.uint64).reshape(-1, 2) for f in flags]
+            seen = int(np.bitwise_or.reduce(np.concatenate([f[:, 0] for f in per])))
+            sums = {int(f[:, 1].sum() % 2**32) for f in per}
+            checksums.setdefault("first", sums)
+            if seen or len(sums) != 1 or sums != checksums["first"]:
                 why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
                                                  (2, "a tail read rows its stage had not written")) if seen & bit)
-                print(f"{m}: {why}: figures void", flush=True)
+                if sums != checksums["first"] or len(sums) != 1:
+                    why += ("; " if why else "") + f"it read other words than the first fused case ({sorted(sums)[:3]})"
+                print(f"{label}: {why}: figures void", flush=True)
                 continue
         med = statistics.median(secs)
-        label = f"{m} ({waves} waves)" if m.startswith("separate") else m
         print(f"{label:22s} {med * 1e3:7.3f} ms a token = {1 / med:6.1f} tok/s; {wb / med / 1e12:.3f} TB/s "
               f"= {wb / med / copy:.0%} of copy, {wb / med / read:.0%} of read; "
               f"runs {[round(s * 1e3, 3) for s in secs]}", flush=True)
