@@ -282,10 +282,11 @@ FOLDED_BODY = r"""
 """
 
 # the stages of ``plan`` in one launch. inputs: w (a layer's buffer), wh (the head's), plan,
-# prev (the state the launch before left: act[2][CAP], then hid[2][D]), norms (w1, w2)
+# prev (the state the launch before left: act[2][CAP], then hid[2][D], then ys_all[D]), norms (w1, w2)
 # outputs: state (this launch's act and hid), sync (the barrier's counter; sync[1], flags: 1 a wait
 # gave up, 2 a tail read a row its stage had not written; sync[2], the checksum of the words read).
-# RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes)
+# RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes);
+# TAIL_ONE: each tail computed by the first threadgroup alone, then a barrier (instead of by every one)
 FUSED_BODY = r"""
     __shared__ float red[32];
     __shared__ float ys_own[RING ? 1 : D];
@@ -294,6 +295,7 @@ FUSED_BODY = r"""
     float* ys = RING ? reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) : ys_own;
     float* act = state;
     float* hid = state + 2 * CAP;
+    float* ys_all = state + 2 * CAP + 2 * D;  // TAIL_ONE: the tail's output, for every threadgroup
     unsigned arrivals = 0u, total = 0u;
     int tails = 0, slot = 0;
     uint4 pre[FC_U];
@@ -312,17 +314,26 @@ FUSED_BODY = r"""
         const uint4* w4 = reinterpret_cast<const uint4*>(p[0] ? wh : w) + p[1];
         const int k = p[3], rows = p[4];
         float seed = 0.0f;
-        if (p[5] && BARRIERS) {  // the tail, by every threadgroup: its input is the stage before's output
+        if (p[5] && BARRIERS) {  // the tail: its input is the stage before's output
             const float* src = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
             const float* h = tails == 0 ? prev + 2 * CAP + PREV_HID * D : hid + ((tails - 1) & 1) * D;
-            if (s > 0) {  // the barrier's test: every row of the stage before is that stage's (flag 2 if not)
-                bool stale = false;
-                for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(__ldcg(src + i)) != (float)(s - 1);
-                if (stale) atomicOr(sync + 1, 2u);
+            // by every threadgroup, or (TAIL_ONE) by the first, into ys_all, which a barrier then hands out
+            if (!TAIL_ONE || blockIdx.x == 0) {
+                if (s > 0) {  // the barrier's test: every row of the stage before is that stage's (flag 2 if not)
+                    bool stale = false;
+                    for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(__ldcg(src + i)) != (float)(s - 1);
+                    if (stale) atomicOr(sync + 1, 2u);
+                }
+                fc_tail(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr,
+                        red);
             }
-            fc_tail(src, h, norms, norms + D, D, ys, blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr, red);
             ++tails;
-            for (int i = threadIdx.x; i < k; i += blockDim.x) seed += ys[i];
+            if (TAIL_ONE) {
+                fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
+                for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(ys_all + i);
+            } else {
+                for (int i = threadIdx.x; i < k; i += blockDim.x) seed += ys[i];
+            }
         } else {
             const float* x = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
             for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(x + i);
@@ -414,16 +425,18 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
 
 class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
-                 barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True):
+                 barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
         self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
+        self.tail_one = tail_one
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
         self.D = g.n_embd
         self.cap = max(s.rows for st in layers[:-1] for s in st)
+        self.state_size = 2 * self.cap + 3 * self.D  # act[2][cap], hid[2][D], ys_all[D]
         layer_words = max(sum(_words(s.nbytes) for s in st) for st in layers[:-1])
         head_words = _words(layers[-1][0].nbytes)
         # random words: what a weight file holds (zeros could be cheaper on some memory systems)
@@ -480,9 +493,10 @@ class Harness:
         return _fused_kernel(ring_bytes(self.ring, self.threads, self.D))(
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
-                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring)],
+                      ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
+                      ("TAIL_ONE", int(self.tail_one))],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
-            output_shapes=[(2 * self.cap + 2 * self.D,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
+            output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
 
     def _parity(self, layers):
@@ -563,6 +577,9 @@ def main(argv=None):
                          f"default and least: {SYNC_WORDS})")
     ap.add_argument("--no-tails", action="store_true",
                     help="fused kernels: barriers only, no norm tails (what the tails cost)")
+    ap.add_argument("--tail-by-one", action="store_true",
+                    help="fused kernels: each norm tail computed by the first threadgroup, then a grid barrier "
+                         "(instead of by every threadgroup)")
     ap.add_argument("--probe", action="store_true",
                     help="first time grid barriers alone, per flavor and counter size, at the fused grid")
     args = ap.parse_args(argv)
@@ -608,7 +625,7 @@ def main(argv=None):
     if not modes:
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
-                args.sync_words, tails=not args.no_tails)
+                args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one)
     wb = h.weight_bytes
     # the separate launches once per --waves value, the fused ones once per --rings value
     cases = [(m, v) for m in modes for v in (waves if m.startswith("separate") else rings)]
@@ -620,7 +637,7 @@ def main(argv=None):
             step = mx.compile(lambda c, folded=m == "separate-folded": h.separate(c, folded))
         else:
             h.ring = v
-            state0 = mx.ones((2 * h.cap + 2 * h.D,))
+            state0 = mx.ones((h.state_size,))
             fn = {"fused-layer": h.fused_layer, "fused-token": h.fused_token,
                   "stream": lambda s: h.fused_token(s, barriers=False)}[m]
             compiled = mx.compile(fn)
