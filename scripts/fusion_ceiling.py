@@ -629,7 +629,7 @@ def main(argv=None):
     wb = h.weight_bytes
     # the separate launches once per --waves value, the fused ones once per --rings value
     cases = [(m, v) for m in modes for v in (waves if m.startswith("separate") else rings)]
-    checksums = {}  # the words a token's fused launches read, summed: the same for every structure
+    first_sum = None  # the words a token's fused launches read, summed: the same for every structure
     for m, v in cases:
         if m.startswith("separate"):
             h.separate_blocks = v * args.sms
@@ -655,11 +655,12 @@ def main(argv=None):
             per = [np.array(f, dtype=np.uint64).reshape(-1, 2) for f in flags]
             seen = int(np.bitwise_or.reduce(np.concatenate([f[:, 0] for f in per])))
             sums = {int(f[:, 1].sum() % 2**32) for f in per}
-            checksums.setdefault("first", sums)
-            if seen or len(sums) != 1 or sums != checksums["first"]:
+            first_sum = first_sum or sums
+            other_words = len(sums) != 1 or sums != first_sum
+            if seen or other_words:
                 why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
                                                  (2, "a tail read rows its stage had not written")) if seen & bit)
-                if sums != checksums["first"] or len(sums) != 1:
+                if other_words:
                     why += ("; " if why else "") + f"it read other words than the first fused case ({sorted(sums)[:3]})"
                 print(f"{label}: {why}: figures void", flush=True)
                 continue
