@@ -29,7 +29,9 @@ first, as a matvec reads it), in four structures:
 ``cp.async`` in the order each threadgroup reads them: the loads then run ahead of the data, through
 every barrier and tail, by as many chunks as the ring holds (a persistent decode kernel's way to
 keep the stream going at a dependency). Every fused launch also sums what it read (order-free), and
-a case whose sum differs from the first fused case's is void.
+a case whose sum differs from the first fused case's is void. ``--staged-tails`` copies each norm
+tail's two input vectors into threadgroup memory with one round of ``cp.async`` before its passes
+(the loop form loads them from L2 again in each pass, each pass waiting on the one before).
 
 A grid-wide barrier is only safe when every threadgroup is resident at once, so the fused grids
 are ``--sms`` x ``--blocks-per-sm``; a barrier that waits more than about a second gives up and
@@ -150,18 +152,44 @@ __device__ __forceinline__ unsigned fc_stream(const uint4* w, long long begin, l
     return acc;
 }
 // the norm tail: hidden' = hidden + rms(src) * w1, y = rms(hidden') * w2; y into ys (length D),
-// hidden' into hout when hout is not null
+// hidden' into hout when hout is not null; expect >= 0: first check that every row of src is that
+// stage's (flag 2 in *flags if not: the barrier before let a stale row through)
 // (src and hidden through L2: another multiprocessor wrote them inside this launch, and L1 is
 // not coherent across multiprocessors)
+// STAGED = 0: each pass (the check, the sums, the scaling) loads from L2 again, its loads waiting on
+// the pass before; STAGED = 1: src and hidden copied at once into threadgroup memory xs (2 D floats)
+// by cp.async, 16 bytes a copy, one L2 round trip and no registers held, and the passes read them there
+// (cp.async's wait is for every group in flight: a ring's chunks included)
+template <int STAGED>
 __device__ __forceinline__ void fc_tail(const float* src, const float* hidden, const float* w1, const float* w2,
-                                        int D, float* ys, float* hout, float* red) {
+                                        int D, float* ys, float* hout, float* red, int expect, unsigned* flags,
+                                        float* xs) {
+    if (STAGED) {
+        for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
+            const unsigned ds = (unsigned)__cvta_generic_to_shared(xs + 4 * i);
+            const unsigned dh = (unsigned)__cvta_generic_to_shared(xs + D + 4 * i);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(ds), "l"(src + 4 * i) : "memory");
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dh), "l"(hidden + 4 * i) : "memory");
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+    }
+    auto ld = [&](const float* p, int i) { return STAGED ? p[i] : __ldcg(p + i); };
+    const float* a = STAGED ? xs : src;
+    const float* b = STAGED ? xs + D : hidden;
+    if (expect >= 0) {
+        bool stale = false;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(ld(a, i)) != (float)expect;
+        if (stale) atomicOr(flags, 2u);
+    }
     float s = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) s += __ldcg(src + i) * __ldcg(src + i);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) s += ld(a, i) * ld(a, i);
     const float scale1 = 1.0f / sqrtf(fc_block_sum(s, red) / D + 1e-5f);
     __syncthreads();
     float h2 = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float h = __ldcg(hidden + i) + __ldcg(src + i) * scale1 * w1[i];
+        const float h = ld(b, i) + ld(a, i) * scale1 * w1[i];
         ys[i] = h;
         if (hout) hout[i] = h;
         h2 += h * h;
@@ -262,7 +290,7 @@ STAGE_BODY = r"""
 # one norm tail, one threadgroup
 TAIL_BODY = r"""
     __shared__ float red[32];
-    fc_tail(src, hidden, norms, norms + D, D, y, hidden_out, red);
+    fc_tail<0>(src, hidden, norms, norms + D, D, y, hidden_out, red, -1, nullptr, nullptr);
 """
 
 # one stage with the norm tail before it folded in, its own launch; inputs: w, src (the output
@@ -270,12 +298,14 @@ TAIL_BODY = r"""
 FOLDED_BODY = r"""
     __shared__ float red[32];
     __shared__ float ys[D];
+    extern __shared__ float fc_xs[];  // STAGED: the tail's src and hidden (2 D floats)
     long long begin, end;
     fc_slab(LEN, gridDim.x, blockIdx.x, begin, end);
     const uint4* w4 = reinterpret_cast<const uint4*>(w) + OFF;
     uint4 pre[FC_U];
     fc_first(w4, begin, end, pre);  // the weights' first loads in flight during the tail
-    fc_tail(src, hidden, norms, norms + D, D, ys, blockIdx.x == 0 ? hidden_out : nullptr, red);
+    fc_tail<STAGED>(src, hidden, norms, norms + D, D, ys, blockIdx.x == 0 ? hidden_out : nullptr, red, -1,
+                    nullptr, fc_xs);
     float seed = 0.0f;
     for (int i = threadIdx.x; i < K; i += blockDim.x) seed += ys[i];
     fc_write(out, ROWS, ROWS, gridDim.x, blockIdx.x, fc_stream(w4, begin, end, pre), seed, 0);
@@ -286,13 +316,15 @@ FOLDED_BODY = r"""
 # outputs: state (this launch's act and hid), sync (the barrier's counter; sync[1], flags: 1 a wait
 # gave up, 2 a tail read a row its stage had not written; sync[2], the checksum of the words read).
 # RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes);
-# TAIL_ONE: each tail computed by the first threadgroup alone, then a barrier (instead of by every one)
+# TAIL_ONE: each tail computed by the first threadgroup alone, then a barrier (instead of by every one);
+# STAGED: the tails' inputs staged in threadgroup memory (fc_tail)
 FUSED_BODY = r"""
     __shared__ float red[32];
     __shared__ float ys_own[RING ? 1 : D];
-    extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys
+    extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys; STAGED: then xs (2 D floats)
     uint4* ring = fc_dyn;
     float* ys = RING ? reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) : ys_own;
+    float* xs = reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) + (RING ? D : 0);
     float* act = state;
     float* hid = state + 2 * CAP;
     float* ys_all = state + 2 * CAP + 2 * D;  // TAIL_ONE: the tail's output, for every threadgroup
@@ -318,15 +350,9 @@ FUSED_BODY = r"""
             const float* src = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
             const float* h = tails == 0 ? prev + 2 * CAP + PREV_HID * D : hid + ((tails - 1) & 1) * D;
             // by every threadgroup, or (TAIL_ONE) by the first, into ys_all, which a barrier then hands out
-            if (!TAIL_ONE || blockIdx.x == 0) {
-                if (s > 0) {  // the barrier's test: every row of the stage before is that stage's (flag 2 if not)
-                    bool stale = false;
-                    for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(__ldcg(src + i)) != (float)(s - 1);
-                    if (stale) atomicOr(sync + 1, 2u);
-                }
-                fc_tail(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr,
-                        red);
-            }
+            if (!TAIL_ONE || blockIdx.x == 0)  // (s > 0: the barrier's test, every row of the stage before is its own)
+                fc_tail<STAGED>(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys,
+                                blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr, red, s - 1, sync + 1, xs);
             ++tails;
             if (TAIL_ONE) {
                 fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
@@ -381,8 +407,6 @@ def _kernels():
                                   header=HEADER),
         tail=mx.fast.cuda_kernel(name="fusion_tail", input_names=["src", "hidden", "norms"],
                                  output_names=["hidden_out", "y"], source=TAIL_BODY, header=HEADER),
-        folded=mx.fast.cuda_kernel(name="fusion_folded", input_names=["w", "src", "hidden", "norms"],
-                                   output_names=["out", "hidden_out"], source=FOLDED_BODY, header=HEADER),
         probe=mx.fast.cuda_kernel(name="fusion_barrier_probe", input_names=["unused"], output_names=["sync"],
                                   source=PROBE_BODY, header=HEADER),
     )
@@ -390,15 +414,29 @@ def _kernels():
 
 @functools.cache
 def _fused_kernel(shared_bytes: int):
-    """The fused kernel with ``shared_bytes`` of dynamic threadgroup memory (its ring and ys)."""
+    """The fused kernel with ``shared_bytes`` of dynamic threadgroup memory (its ring, ys, xs)."""
     return mx.fast.cuda_kernel(name="fusion_fused", input_names=["w", "wh", "plan", "prev", "norms"],
                                output_names=["state", "sync"], source=FUSED_BODY, header=HEADER,
                                shared_memory=shared_bytes)
 
 
-def ring_bytes(ring: int, threads: int, d: int) -> int:
-    """The fused kernel's dynamic threadgroup memory: the ring's chunks and ys, or none without a ring."""
-    return ring * threads * 16 + d * 4 if ring else 0
+@functools.cache
+def _folded_kernel(shared_bytes: int):
+    """The folded stage with ``shared_bytes`` of dynamic threadgroup memory (its staged tail's xs)."""
+    return mx.fast.cuda_kernel(name="fusion_folded", input_names=["w", "src", "hidden", "norms"],
+                               output_names=["out", "hidden_out"], source=FOLDED_BODY, header=HEADER,
+                               shared_memory=shared_bytes)
+
+
+def ring_bytes(ring: int, threads: int, d: int, staged: bool = False) -> int:
+    """The fused kernel's dynamic threadgroup memory: the ring's chunks and ys (with a ring), then the
+    staged tail's src and hidden."""
+    return (ring * threads * 16 + d * 4 if ring else 0) + (2 * d * 4 if staged else 0)
+
+
+def fused_shared_bytes(ring: int, threads: int, d: int, staged: bool = False) -> int:
+    """A fused threadgroup's threadgroup memory, dynamic and static (red; ys without a ring)."""
+    return ring_bytes(ring, threads, d, staged) + 128 + (0 if ring else d * 4)
 
 
 SM_SHARED = 228 * 1024  # an H100's or H200's threadgroup memory a multiprocessor (1 KB of it a threadgroup's own)
@@ -425,12 +463,14 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
 
 class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
-                 barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False):
+                 barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False,
+                 staged_tails: bool = False):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
         self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
         self.tail_one = tail_one
+        self.staged = staged_tails
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
@@ -458,9 +498,10 @@ class Harness:
             output_shapes=[(self.D,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
     def _folded(self, stage: Stage, off: int, src, hidden, buf):
-        return self.k["folded"](
+        return _folded_kernel(2 * self.D * 4 if self.staged else 0)(
             inputs=[buf, src, hidden, self.norms],
-            template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows), ("D", self.D)],
+            template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows), ("D", self.D),
+                      ("STAGED", int(self.staged))],
             grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(stage.rows,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
@@ -490,11 +531,11 @@ class Harness:
     def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
         plan = mx.array(self._plan(layers))
         n = plan.shape[0]
-        return _fused_kernel(ring_bytes(self.ring, self.threads, self.D))(
+        return _fused_kernel(ring_bytes(self.ring, self.threads, self.D, self.staged))(
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
-                      ("TAIL_ONE", int(self.tail_one))],
+                      ("TAIL_ONE", int(self.tail_one)), ("STAGED", int(self.staged))],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
@@ -580,6 +621,9 @@ def main(argv=None):
     ap.add_argument("--tail-by-one", action="store_true",
                     help="fused kernels: each norm tail computed by the first threadgroup, then a grid barrier "
                          "(instead of by every threadgroup)")
+    ap.add_argument("--staged-tails", action="store_true",
+                    help="separate-folded and fused kernels: each norm tail's inputs copied at once into threadgroup "
+                         "memory by cp.async (one L2 round trip), instead of loaded again by each of its passes")
     ap.add_argument("--probe", action="store_true",
                     help="first time grid barriers alone, per flavor and counter size, at the fused grid")
     args = ap.parse_args(argv)
@@ -592,17 +636,22 @@ def main(argv=None):
     except ValueError:
         ap.error(f"--waves {args.waves!r} and --rings {args.rings!r}: comma-separated whole numbers")
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
-        need = args.blocks_per_sm * (ring_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd) + 128 + 1024)
+        need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd, args.staged_tails)
+                                     + 1024)
         if r < 0 or need > SM_SHARED:
             ap.error(f"--rings {r}: {args.blocks_per_sm} threadgroups of {args.threads} threads need {need} bytes of "
                      f"threadgroup memory a multiprocessor, more than its {SM_SHARED}")
+    if args.staged_tails and MUSE_GLIMMER_30B.n_embd % 4:  # cp.async copies 16 bytes
+        ap.error(f"--staged-tails: the width {MUSE_GLIMMER_30B.n_embd} is not a multiple of 4")
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         sys.exit("fusion_ceiling.py needs MLX's CUDA backend (its kernels are CUDA and a measurement of the GPU)")
     g = dataclasses.replace(MUSE_GLIMMER_30B, n_layer=args.layers)
     layers = token_plan(g)
     print(f"{datetime.date.today()}  mlx {mx.__version__}  {mx.device_info(mx.gpu).get('device_name', '?')}  "
           f"{args.layers} layers + head, {sum(s.nbytes for st in layers for s in st) / 1e9:.3f} GB a token, "
-          f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads",
+          f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads"
+          + ("; tails: none" if args.no_tails else "; tails: " + ("by one" if args.tail_by_one else "by every")
+             + (", staged" if args.staged_tails else ", in loops")),
           flush=True)
     from bench import memory_bandwidths
 
@@ -625,7 +674,8 @@ def main(argv=None):
     if not modes:
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
-                args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one)
+                args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one,
+                staged_tails=args.staged_tails)
     wb = h.weight_bytes
     # the separate launches once per --waves value, the fused ones once per --rings value
     cases = [(m, v) for m in modes for v in (waves if m.startswith("separate") else rings)]

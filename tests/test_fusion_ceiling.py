@@ -57,7 +57,7 @@ def test_the_plan_lays_each_layer_end_to_end_and_the_head_apart():
 
 
 def test_the_kernels_compile_for_the_gpu():
-    """Where NVRTC is installed (not on CI): every kernel, barrier flavor and ring builds for sm_90."""
+    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring and tail form builds for sm_90."""
     from muse_mlx.kernels.cuda_prebuild import OWN_HEADER, Nvrtc, mlx_source
 
     try:
@@ -68,15 +68,17 @@ def test_the_kernels_compile_for_the_gpu():
     cases = [("fusion_stage", fc.STAGE_BODY, ["w", "x"], [u32, f32], ["out"], [f32],
               [("OFF", 0), ("LEN", 100), ("K", 64), ("ROWS", 32)]),
              ("fusion_tail", fc.TAIL_BODY, ["src", "hidden", "norms"], [f32] * 3, ["hidden_out", "y"], [f32] * 2,
-              [("D", 256)]),
-             ("fusion_folded", fc.FOLDED_BODY, ["w", "src", "hidden", "norms"], [u32] + [f32] * 3,
-              ["out", "hidden_out"], [f32] * 2, [("OFF", 0), ("LEN", 100), ("K", 256), ("ROWS", 32), ("D", 256)])]
+              [("D", 256)])]
+    cases += [("fusion_folded", fc.FOLDED_BODY, ["w", "src", "hidden", "norms"], [u32] + [f32] * 3,
+               ["out", "hidden_out"], [f32] * 2, [("OFF", 0), ("LEN", 100), ("K", 256), ("ROWS", 32), ("D", 256),
+                                                 ("STAGED", staged)]) for staged in (0, 1)]
     for flavor in fc.BARRIERS.values():
-        for ring, tail_one in ((0, 0), (4, 0), (4, 1)):
+        for ring, tail_one, staged in ((0, 0, 0), (4, 0, 0), (4, 1, 0), (0, 0, 1), (0, 1, 1), (4, 0, 1)):
             cases.append(("fusion_fused", fc.FUSED_BODY, ["w", "wh", "plan", "prev", "norms"],
                           [u32, u32, i32, f32, f32], ["state", "sync"], [f32, u32],
                           [("STAGES", 6), ("D", 256), ("CAP", 1024), ("BARRIERS", 1), ("PREV_ACT", 0),
-                           ("PREV_HID", 1), ("FLAVOR", flavor), ("RING", ring), ("TAIL_ONE", tail_one)]))
+                           ("PREV_HID", 1), ("FLAVOR", flavor), ("RING", ring), ("TAIL_ONE", tail_one),
+                           ("STAGED", staged)]))
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     for name, body, ins, in_types, outs, out_types, template in cases:
