@@ -160,28 +160,44 @@ __device__ __forceinline__ unsigned fc_stream(const uint4* w, long long begin, l
 // the pass before; STAGED = 1: src and hidden copied at once into threadgroup memory xs (2 D floats)
 // by cp.async, 16 bytes a copy, one L2 round trip and no registers held, and the passes read them there
 // (cp.async's wait is for every group in flight: a ring's chunks included)
+__device__ __forceinline__ void fc_stage_in(const float* src, const float* hidden, int D, float* xs) {
+    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
+        const unsigned ds = (unsigned)__cvta_generic_to_shared(xs + 4 * i);
+        const unsigned dh = (unsigned)__cvta_generic_to_shared(xs + D + 4 * i);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(ds), "l"(src + 4 * i) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dh), "l"(hidden + 4 * i) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void fc_stage_wait() {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+}
+__device__ __forceinline__ void fc_check_rows(const float* a, int D, int expect, unsigned* flags) {
+    bool stale = false;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(a[i]) != (float)expect;
+    if (stale) atomicOr(flags, 2u);
+}
+// returns the sum of hidden'^2 (the same in every thread)
 template <int STAGED>
-__device__ __forceinline__ void fc_tail(const float* src, const float* hidden, const float* w1, const float* w2,
-                                        int D, float* ys, float* hout, float* red, int expect, unsigned* flags,
-                                        float* xs) {
+__device__ __forceinline__ float fc_tail(const float* src, const float* hidden, const float* w1, const float* w2,
+                                         int D, float* ys, float* hout, float* red, int expect, unsigned* flags,
+                                         float* xs) {
     if (STAGED) {
-        for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
-            const unsigned ds = (unsigned)__cvta_generic_to_shared(xs + 4 * i);
-            const unsigned dh = (unsigned)__cvta_generic_to_shared(xs + D + 4 * i);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(ds), "l"(src + 4 * i) : "memory");
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dh), "l"(hidden + 4 * i) : "memory");
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
-        __syncthreads();
+        fc_stage_in(src, hidden, D, xs);
+        fc_stage_wait();
     }
     auto ld = [&](const float* p, int i) { return STAGED ? p[i] : __ldcg(p + i); };
     const float* a = STAGED ? xs : src;
     const float* b = STAGED ? xs + D : hidden;
     if (expect >= 0) {
-        bool stale = false;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(ld(a, i)) != (float)expect;
-        if (stale) atomicOr(flags, 2u);
+        if (STAGED) {
+            fc_check_rows(a, D, expect, flags);
+        } else {
+            bool stale = false;
+            for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(__ldcg(a + i)) != (float)expect;
+            if (stale) atomicOr(flags, 2u);
+        }
     }
     float s = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) s += ld(a, i) * ld(a, i);
@@ -194,16 +210,61 @@ __device__ __forceinline__ void fc_tail(const float* src, const float* hidden, c
         if (hout) hout[i] = h;
         h2 += h * h;
     }
-    const float scale2 = 1.0f / sqrtf(fc_block_sum(h2, red) / D + 1e-5f);
+    const float hh = fc_block_sum(h2, red);
+    const float scale2 = 1.0f / sqrtf(hh / D + 1e-5f);
     for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = ys[i] * scale2 * w2[i];
+    __syncthreads();
+    return hh;
+}
+// three sums over the threadgroup at once (red: 3 floats a warp)
+__device__ __forceinline__ void fc_block_sum3(float& a, float& b, float& c, float* red) {
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+        c += __shfl_xor_sync(0xffffffffu, c, o);
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) {
+        const int w = threadIdx.x >> 5;
+        red[3 * w] = a, red[3 * w + 1] = b, red[3 * w + 2] = c;
+    }
+    __syncthreads();
+    a = b = c = 0.0f;
+    for (int i = 0; i < (int)(blockDim.x >> 5); ++i) a += red[3 * i], b += red[3 * i + 1], c += red[3 * i + 2];
+}
+// the norm tail from the sums the stage before left, one triple a threadgroup (its rows' sum of a^2,
+// of h a w1 and of (a w1)^2, a = src): rms(src) and rms(hidden') then need one reduction of
+// 3 x nparts values instead of two over D, and it runs while src and hidden are copied in;
+// shh, the sum of hidden^2, comes from the tail before and leaves as that of hidden'
+// (|h + s1 a w1|^2 = shh + 2 s1 sum(h a w1) + s1^2 sum((a w1)^2))
+__device__ __forceinline__ void fc_tail_from_parts(const float* src, const float* hidden, const float* w1,
+                                                   const float* w2, int D, float* ys, float* hout, float* red,
+                                                   int expect, unsigned* flags, float* xs, const float* parts,
+                                                   int nparts, float& shh) {
+    fc_stage_in(src, hidden, D, xs);
+    float a = 0.0f, b = 0.0f, c = 0.0f;
+    for (int t = threadIdx.x; t < nparts; t += blockDim.x)
+        a += __ldcg(parts + 4 * t), b += __ldcg(parts + 4 * t + 1), c += __ldcg(parts + 4 * t + 2);
+    fc_block_sum3(a, b, c, red);
+    const float s1 = 1.0f / sqrtf(a / D + 1e-5f);
+    shh = shh + 2.0f * s1 * b + s1 * s1 * c;
+    const float s2 = 1.0f / sqrtf(shh / D + 1e-5f);
+    fc_stage_wait();
+    if (expect >= 0) fc_check_rows(xs, D, expect, flags);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        const float h = xs[D + i] + xs[i] * s1 * w1[i];
+        if (hout) hout[i] = h;
+        ys[i] = h * s2 * w2[i];
+    }
     __syncthreads();
 }
 // a stage's output: this threadgroup's share of the rows, each row = the stage's index + 0.5 (what
 // the fused kernel's tails check); the stream's and the input's sums enter so no load is dropped
-__device__ __forceinline__ void fc_write(float* out, int rows, int cap, int nb, int b, unsigned acc, float seed, int id) {
+__device__ __forceinline__ float fc_write(float* out, int rows, int cap, int nb, int b, unsigned acc, float seed, int id) {
     const float v = (float)id + 0.5f + (acc == 0x9E3779B9u ? 0.25f : 0.0f) + seed * 0.0f;
     const int per = (rows + nb - 1) / nb;
     for (int r = b * per + threadIdx.x; r < (b + 1) * per && r < rows && r < cap; r += blockDim.x) out[r] = v;
+    return v;
 }
 // the ring (RING > 0): chunks of one 16-byte word a thread in threadgroup memory, loaded by cp.async
 // in the order the threadgroup reads them (its slab of each stage in turn), RING chunks ahead of the
@@ -317,9 +378,10 @@ FOLDED_BODY = r"""
 # gave up, 2 a tail read a row its stage had not written; sync[2], the checksum of the words read).
 # RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes);
 # TAIL_ONE: each tail computed by the first threadgroup alone, then a barrier (instead of by every one);
-# STAGED: the tails' inputs staged in threadgroup memory (fc_tail)
+# STAGED: the tails' inputs staged in threadgroup memory (fc_tail); PARTIALS: every tail but the first
+# from the sums the stage before left (fc_tail_from_parts; its inputs staged as with STAGED)
 FUSED_BODY = r"""
-    __shared__ float red[32];
+    __shared__ float red[96];
     __shared__ float ys_own[RING ? 1 : D];
     extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys; STAGED: then xs (2 D floats)
     uint4* ring = fc_dyn;
@@ -328,8 +390,10 @@ FUSED_BODY = r"""
     float* act = state;
     float* hid = state + 2 * CAP;
     float* ys_all = state + 2 * CAP + 2 * D;  // TAIL_ONE: the tail's output, for every threadgroup
+    float* parts = state + 2 * CAP + 3 * D;  // PARTIALS: [2][gridDim.x][4], by the tails' parity
     unsigned arrivals = 0u, total = 0u;
     int tails = 0, slot = 0;
+    float shh = 0.0f;  // PARTIALS: the sum of the hidden's squares, from the tail before
     uint4 pre[FC_U];
     long long begin, end;
     FcCursor put{0, 0, 0, 0, 0};
@@ -350,9 +414,14 @@ FUSED_BODY = r"""
             const float* src = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
             const float* h = tails == 0 ? prev + 2 * CAP + PREV_HID * D : hid + ((tails - 1) & 1) * D;
             // by every threadgroup, or (TAIL_ONE) by the first, into ys_all, which a barrier then hands out
-            if (!TAIL_ONE || blockIdx.x == 0)  // (s > 0: the barrier's test, every row of the stage before is its own)
-                fc_tail<STAGED>(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys,
-                                blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr, red, s - 1, sync + 1, xs);
+            float* hout = blockIdx.x == 0 ? hid + (tails & 1) * D : nullptr;
+            // (s > 0: the barrier's test, every row of the stage before is its own)
+            if ((!TAIL_ONE || blockIdx.x == 0) && PARTIALS && s > 0)
+                fc_tail_from_parts(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, hout, red, s - 1, sync + 1, xs,
+                                   parts + (tails & 1) * gridDim.x * 4, gridDim.x, shh);
+            else if (!TAIL_ONE || blockIdx.x == 0)
+                shh = fc_tail<STAGED>(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, hout, red, s - 1, sync + 1,
+                                      xs);
             ++tails;
             if (TAIL_ONE) {
                 fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
@@ -364,6 +433,15 @@ FUSED_BODY = r"""
             const float* x = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
             for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(x + i);
         }
+        // PARTIALS, a stage whose output a tail takes: the hidden and w1 at this thread's first row, loaded
+        // now (they depend on nothing this stage computes), for the sums it leaves the tail
+        const bool feeds = PARTIALS && BARRIERS && s + 1 < STAGES && p[6 + 5];
+        const float* hc = tails == 0 ? prev + 2 * CAP + PREV_HID * D : hid + ((tails - 1) & 1) * D;
+        const int per = (rows + gridDim.x - 1) / gridDim.x;
+        const int r0 = blockIdx.x * per + threadIdx.x;
+        const int r_end = min(min((int)(blockIdx.x + 1) * per, rows), min(CAP, D));
+        float h0 = 0.0f, w0 = 0.0f;
+        if (feeds && r0 < r_end) h0 = __ldcg(hc + r0), w0 = norms[r0];
         unsigned acc = 0u;
         if (RING) {  // this stage's chunks from the ring, each refilled with the chunk RING ahead
             long long b, e;
@@ -384,7 +462,19 @@ FUSED_BODY = r"""
             }
         }
         total += acc;
-        fc_write(act + (s & 1) * CAP, rows, CAP, gridDim.x, blockIdx.x, acc, seed, s);
+        const float v = fc_write(act + (s & 1) * CAP, rows, CAP, gridDim.x, blockIdx.x, acc, seed, s);
+        if (feeds) {  // this threadgroup's rows' sums for the tail after the barrier
+            float saa = 0.0f, sha = 0.0f, sww = 0.0f;
+            for (int r = r0; r < r_end; r += blockDim.x) {
+                const float aw = v * (r == r0 ? w0 : norms[r]);
+                saa += v * v, sha += (r == r0 ? h0 : __ldcg(hc + r)) * aw, sww += aw * aw;
+            }
+            fc_block_sum3(saa, sha, sww, red);
+            if (threadIdx.x == 0) {
+                float* q = parts + ((tails & 1) * gridDim.x + blockIdx.x) * 4;
+                q[0] = saa, q[1] = sha, q[2] = sww;
+            }
+        }
         if (BARRIERS && s + 1 < STAGES) fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
     }
     fc_checksum(sync + 2, total);
@@ -464,19 +554,20 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
 class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
                  barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False,
-                 staged_tails: bool = False):
+                 staged_tails: bool = False, tail_partials: bool = False):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
         self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
         self.tail_one = tail_one
         self.staged = staged_tails
+        self.partials = tail_partials
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
         self.D = g.n_embd
         self.cap = max(s.rows for st in layers[:-1] for s in st)
-        self.state_size = 2 * self.cap + 3 * self.D  # act[2][cap], hid[2][D], ys_all[D]
+        self.state_size = 2 * self.cap + 3 * self.D + 2 * fused_blocks * 4  # act[2][cap], hid[2][D], ys_all[D], parts
         layer_words = max(sum(_words(s.nbytes) for s in st) for st in layers[:-1])
         head_words = _words(layers[-1][0].nbytes)
         # random words: what a weight file holds (zeros could be cheaper on some memory systems)
@@ -531,11 +622,12 @@ class Harness:
     def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
         plan = mx.array(self._plan(layers))
         n = plan.shape[0]
-        return _fused_kernel(ring_bytes(self.ring, self.threads, self.D, self.staged))(
+        return _fused_kernel(ring_bytes(self.ring, self.threads, self.D, self.staged or self.partials))(
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
-                      ("TAIL_ONE", int(self.tail_one)), ("STAGED", int(self.staged))],
+                      ("TAIL_ONE", int(self.tail_one)), ("STAGED", int(self.staged)),
+                      ("PARTIALS", int(self.partials))],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
@@ -558,6 +650,24 @@ class Harness:
         act, hid = self._parity(self.layers)
         state, sync = self._fused(self.layers, state, barriers, act, hid)
         return state, sync[1:3]
+
+
+def tail_forms_differ(h: Harness) -> float:
+    """One token of ``fused-token`` from the same state with each tail by the first threadgroup (so that
+    its output lands in the state), in loops and from partial sums: the largest difference of the
+    hidden and that output, relative to their largest magnitude."""
+    saved = h.tail_one, h.partials, h.staged, h.ring
+    h.tail_one, h.staged, h.ring = True, False, 0
+    out = []
+    for partials in (False, True):
+        h.partials = partials
+        state, flags = h.fused_token(mx.ones((h.state_size,)))
+        mx.eval(state, flags)
+        if int(flags[0].item()):
+            sys.exit(f"--tail-partials: the check's launch raised flags {int(flags[0].item())} (see sync[1])")
+        out.append(np.array(state[2 * h.cap: 2 * h.cap + 3 * h.D], dtype=np.float64))
+    h.tail_one, h.partials, h.staged, h.ring = saved
+    return float(np.max(np.abs(out[0] - out[1])) / np.max(np.abs(out[0])))
 
 
 def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters: int = 200, runs: int = 3):
@@ -624,6 +734,10 @@ def main(argv=None):
     ap.add_argument("--staged-tails", action="store_true",
                     help="separate-folded and fused kernels: each norm tail's inputs copied at once into threadgroup "
                          "memory by cp.async (one L2 round trip), instead of loaded again by each of its passes")
+    ap.add_argument("--tail-partials", action="store_true",
+                    help="fused kernels: each stage whose output a norm tail takes leaves a threadgroup's sums of its "
+                         "rows, so the tail needs one reduction of those instead of two over the vector (its inputs "
+                         "staged as with --staged-tails); first checks that both forms give the same hidden and output")
     ap.add_argument("--probe", action="store_true",
                     help="first time grid barriers alone, per flavor and counter size, at the fused grid")
     args = ap.parse_args(argv)
@@ -636,13 +750,13 @@ def main(argv=None):
     except ValueError:
         ap.error(f"--waves {args.waves!r} and --rings {args.rings!r}: comma-separated whole numbers")
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
-        need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd, args.staged_tails)
-                                     + 1024)
+        need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd,
+                                                        args.staged_tails or args.tail_partials) + 1024)
         if r < 0 or need > SM_SHARED:
             ap.error(f"--rings {r}: {args.blocks_per_sm} threadgroups of {args.threads} threads need {need} bytes of "
                      f"threadgroup memory a multiprocessor, more than its {SM_SHARED}")
-    if args.staged_tails and MUSE_GLIMMER_30B.n_embd % 4:  # cp.async copies 16 bytes
-        ap.error(f"--staged-tails: the width {MUSE_GLIMMER_30B.n_embd} is not a multiple of 4")
+    if (args.staged_tails or args.tail_partials) and MUSE_GLIMMER_30B.n_embd % 4:  # cp.async copies 16 bytes
+        ap.error(f"--staged-tails, --tail-partials: the width {MUSE_GLIMMER_30B.n_embd} is not a multiple of 4")
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         sys.exit("fusion_ceiling.py needs MLX's CUDA backend (its kernels are CUDA and a measurement of the GPU)")
     g = dataclasses.replace(MUSE_GLIMMER_30B, n_layer=args.layers)
@@ -651,7 +765,7 @@ def main(argv=None):
           f"{args.layers} layers + head, {sum(s.nbytes for st in layers for s in st) / 1e9:.3f} GB a token, "
           f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads"
           + ("; tails: none" if args.no_tails else "; tails: " + ("by one" if args.tail_by_one else "by every")
-             + (", staged" if args.staged_tails else ", in loops")),
+             + (", from partial sums" if args.tail_partials else ", staged" if args.staged_tails else ", in loops")),
           flush=True)
     from bench import memory_bandwidths
 
@@ -675,7 +789,13 @@ def main(argv=None):
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
                 args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one,
-                staged_tails=args.staged_tails)
+                staged_tails=args.staged_tails, tail_partials=args.tail_partials)
+    if args.tail_partials:
+        worst = tail_forms_differ(h)
+        print(f"tails from partial sums against the loops, one token: largest relative difference {worst:.2e} "
+              f"(hidden and the last tail's output)", flush=True)
+        if not worst < 1e-4:
+            sys.exit("--tail-partials: the two tail forms disagree; its figures would measure a wrong kernel")
     wb = h.weight_bytes
     # the separate launches once per --waves value, the fused ones once per --rings value
     cases = [(m, v) for m in modes for v in (waves if m.startswith("separate") else rings)]

@@ -73,12 +73,13 @@ def test_the_kernels_compile_for_the_gpu():
                ["out", "hidden_out"], [f32] * 2, [("OFF", 0), ("LEN", 100), ("K", 256), ("ROWS", 32), ("D", 256),
                                                  ("STAGED", staged)]) for staged in (0, 1)]
     for flavor in fc.BARRIERS.values():
-        for ring, tail_one, staged in ((0, 0, 0), (4, 0, 0), (4, 1, 0), (0, 0, 1), (0, 1, 1), (4, 0, 1)):
+        for ring, tail_one, staged, partials in ((0, 0, 0, 0), (4, 0, 0, 0), (4, 1, 0, 0), (0, 0, 1, 0), (0, 1, 1, 0),
+                                                 (4, 0, 1, 0), (0, 0, 0, 1), (0, 1, 0, 1), (4, 0, 0, 1)):
             cases.append(("fusion_fused", fc.FUSED_BODY, ["w", "wh", "plan", "prev", "norms"],
                           [u32, u32, i32, f32, f32], ["state", "sync"], [f32, u32],
                           [("STAGES", 6), ("D", 256), ("CAP", 1024), ("BARRIERS", 1), ("PREV_ACT", 0),
                            ("PREV_HID", 1), ("FLAVOR", flavor), ("RING", ring), ("TAIL_ONE", tail_one),
-                           ("STAGED", staged)]))
+                           ("STAGED", staged), ("PARTIALS", partials)]))
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     for name, body, ins, in_types, outs, out_types, template in cases:
