@@ -31,7 +31,9 @@ every barrier and tail, by as many chunks as the ring holds (a persistent decode
 keep the stream going at a dependency). Every fused launch also sums what it read (order-free), and
 a case whose sum differs from the first fused case's is void. ``--staged-tails`` copies each norm
 tail's two input vectors into threadgroup memory with one round of ``cp.async`` before its passes
-(the loop form loads them from L2 again in each pass, each pass waiting on the one before).
+(the loop form loads them from L2 again in each pass, each pass waiting on the one before);
+``--tail-partials`` has each stage a tail takes leave a threadgroup's sums over its rows, so that the
+tail reduces 3 values a threadgroup instead of the vector twice (checked against the loops first).
 
 A grid-wide barrier is only safe when every threadgroup is resident at once, so the fused grids
 are ``--sms`` x ``--blocks-per-sm``; a barrier that waits more than about a second gives up and
