@@ -527,8 +527,8 @@ def ring_bytes(ring: int, threads: int, d: int, staged: bool = False) -> int:
 
 
 def fused_shared_bytes(ring: int, threads: int, d: int, staged: bool = False) -> int:
-    """A fused threadgroup's threadgroup memory, dynamic and static (red; ys without a ring)."""
-    return ring_bytes(ring, threads, d, staged) + 128 + (0 if ring else d * 4)
+    """A fused threadgroup's threadgroup memory, dynamic and static (red, 96 floats; ys without a ring)."""
+    return ring_bytes(ring, threads, d, staged) + 96 * 4 + (4 if ring else d * 4)
 
 
 SM_SHARED = 228 * 1024  # an H100's or H200's threadgroup memory a multiprocessor (1 KB of it a threadgroup's own)

@@ -86,3 +86,17 @@ def test_the_kernels_compile_for_the_gpu():
         source = OWN_HEADER + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
         cubin, lowered, _ = nvrtc.build(source, "sm_90", f"mlx::core::cu::{name}")
         assert cubin[:4] == b"\x7fELF" and lowered.encode() in cubin
+
+
+@pytest.mark.parametrize("extra", [["--rings", "13"], ["--rings", "12", "--staged-tails"],
+                                   ["--rings", "12", "--tail-partials"]])
+def test_a_fused_grid_that_cannot_be_resident_is_refused(extra, capsys):
+    """The grid barrier needs every threadgroup resident at once: 1,024 threads an SM with a ring of 13
+    chunks (208 KB) and ys, or of 12 with a staged tail's two vectors, pass an SM's 228 KB, and the
+    script says so before it touches a GPU (12 chunks alone fit)."""
+    d = fc.MUSE_GLIMMER_30B.n_embd
+    assert fc.fused_shared_bytes(12, 1024, d) + 1024 <= fc.SM_SHARED
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--modes=", "--threads", "1024", "--blocks-per-sm", "1", *extra])
+    assert e.value.code == 2
+    assert f"--rings {extra[1]}: 1 threadgroups of 1024 threads need" in capsys.readouterr().err
