@@ -32,6 +32,7 @@ keep the stream going at a dependency). Every fused launch also sums what it rea
 a case whose sum differs from the first fused case's is void. ``--staged-tails`` copies each norm
 tail's two input vectors into threadgroup memory with one round of ``cp.async`` before its passes
 (the loop form loads them from L2 again in each pass, each pass waiting on the one before);
+``--norms-ahead`` stages the norm weights too, copied in before the barrier ahead of each tail;
 ``--tail-partials`` has each stage a tail takes leave a threadgroup's sums over its rows, so that the
 tail reduces 3 values a threadgroup instead of the vector twice (checked against the loops first).
 
@@ -161,13 +162,24 @@ __device__ __forceinline__ unsigned fc_stream(const uint4* w, long long begin, l
 // STAGED = 0: each pass (the check, the sums, the scaling) loads from L2 again, its loads waiting on
 // the pass before; STAGED = 1: src and hidden copied at once into threadgroup memory xs (2 D floats)
 // by cp.async, 16 bytes a copy, one L2 round trip and no registers held, and the passes read them there
-// (cp.async's wait is for every group in flight: a ring's chunks included)
+// (cp.async's wait is for every group in flight: a ring's chunks included); STAGED = 2: the norm weights
+// too, at xs + 2 D (fc_stage_norms, issued before the barrier ahead of the tail), so that no pass waits
+// on a global load (each pass's loop is one load at a time: Nsight Compute, thirty-sixth session)
 __device__ __forceinline__ void fc_stage_in(const float* src, const float* hidden, int D, float* xs) {
     for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
         const unsigned ds = (unsigned)__cvta_generic_to_shared(xs + 4 * i);
         const unsigned dh = (unsigned)__cvta_generic_to_shared(xs + D + 4 * i);
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(ds), "l"(src + 4 * i) : "memory");
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dh), "l"(hidden + 4 * i) : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void fc_stage_norms(const float* w1, const float* w2, int D, float* xs) {
+    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
+        const unsigned d1 = (unsigned)__cvta_generic_to_shared(xs + 2 * D + 4 * i);
+        const unsigned d2 = (unsigned)__cvta_generic_to_shared(xs + 3 * D + 4 * i);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d1), "l"(w1 + 4 * i) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d2), "l"(w2 + 4 * i) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -192,6 +204,8 @@ __device__ __forceinline__ float fc_tail(const float* src, const float* hidden, 
     auto ld = [&](const float* p, int i) { return STAGED ? p[i] : __ldcg(p + i); };
     const float* a = STAGED ? xs : src;
     const float* b = STAGED ? xs + D : hidden;
+    const float* n1 = STAGED == 2 ? xs + 2 * D : w1;
+    const float* n2 = STAGED == 2 ? xs + 3 * D : w2;
     if (expect >= 0) {
         if (STAGED) {
             fc_check_rows(a, D, expect, flags);
@@ -207,14 +221,14 @@ __device__ __forceinline__ float fc_tail(const float* src, const float* hidden, 
     __syncthreads();
     float h2 = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float h = ld(b, i) + ld(a, i) * scale1 * w1[i];
+        const float h = ld(b, i) + ld(a, i) * scale1 * n1[i];
         ys[i] = h;
         if (hout) hout[i] = h;
         h2 += h * h;
     }
     const float hh = fc_block_sum(h2, red);
     const float scale2 = 1.0f / sqrtf(hh / D + 1e-5f);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = ys[i] * scale2 * w2[i];
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = ys[i] * scale2 * n2[i];
     __syncthreads();
     return hh;
 }
@@ -380,12 +394,12 @@ FOLDED_BODY = r"""
 # gave up, 2 a tail read a row its stage had not written; sync[2], the checksum of the words read).
 # RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes);
 # TAIL_ONE: each tail computed by the first threadgroup alone, then a barrier (instead of by every one);
-# STAGED: the tails' inputs staged in threadgroup memory (fc_tail); PARTIALS: every tail but the first
+# STAGED: the tails' inputs (1) and norm weights (2) staged in threadgroup memory (fc_tail); PARTIALS: every tail but the first
 # from the sums the stage before left (fc_tail_from_parts; its inputs staged as with STAGED)
 FUSED_BODY = r"""
     __shared__ float red[96];
     __shared__ float ys_own[RING ? 1 : D];
-    extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys; STAGED: then xs (2 D floats)
+    extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys; STAGED: then xs (2 or 4 D floats)
     uint4* ring = fc_dyn;
     float* ys = RING ? reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) : ys_own;
     float* xs = reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) + (RING ? D : 0);
@@ -399,6 +413,7 @@ FUSED_BODY = r"""
     uint4 pre[FC_U];
     long long begin, end;
     FcCursor put{0, 0, 0, 0, 0};
+    if (STAGED == 2 && BARRIERS && plan[5] && (!TAIL_ONE || blockIdx.x == 0)) fc_stage_norms(norms, norms + D, D, xs);
     if (RING) {
         fc_cursor_stage(put, plan, STAGES);
         for (int r = 0; r < RING; ++r) fc_put(put, plan, STAGES, w, wh, ring + r * blockDim.x);
@@ -477,6 +492,9 @@ FUSED_BODY = r"""
                 q[0] = saa, q[1] = sha, q[2] = sww;
             }
         }
+        // STAGED == 2: the next tail's norm weights on their way before the barrier
+        if (STAGED == 2 && BARRIERS && s + 1 < STAGES && p[6 + 5] && (!TAIL_ONE || blockIdx.x == 0))
+            fc_stage_norms(norms, norms + D, D, xs);
         if (BARRIERS && s + 1 < STAGES) fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
     }
     fc_checksum(sync + 2, total);
@@ -520,15 +538,20 @@ def _folded_kernel(shared_bytes: int):
                                shared_memory=shared_bytes)
 
 
-def ring_bytes(ring: int, threads: int, d: int, staged: bool = False) -> int:
+def ring_bytes(ring: int, threads: int, d: int, staged: int = 0) -> int:
     """The fused kernel's dynamic threadgroup memory: the ring's chunks and ys (with a ring), then the
-    staged tail's src and hidden."""
-    return (ring * threads * 16 + d * 4 if ring else 0) + (2 * d * 4 if staged else 0)
+    staged tail's ``staged`` vectors (src and hidden; then w1 and w2)."""
+    return (ring * threads * 16 + d * 4 if ring else 0) + staged * d * 4
 
 
-def fused_shared_bytes(ring: int, threads: int, d: int, staged: bool = False) -> int:
+def fused_shared_bytes(ring: int, threads: int, d: int, staged: int = 0) -> int:
     """A fused threadgroup's threadgroup memory, dynamic and static (red, 96 floats; ys without a ring)."""
     return ring_bytes(ring, threads, d, staged) + 96 * 4 + (4 if ring else d * 4)
+
+
+def staged_vectors(staged: int, partials: bool) -> int:
+    """The D-float vectors a fused threadgroup stages for its tails: src and hidden, then w1 and w2."""
+    return 4 if staged == 2 else 2 if staged or partials else 0
 
 
 SM_SHARED = 228 * 1024  # an H100's or H200's threadgroup memory a multiprocessor (1 KB of it a threadgroup's own)
@@ -556,13 +579,13 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
 class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
                  barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False,
-                 staged_tails: bool = False, tail_partials: bool = False):
+                 staged_tails: int = 0, tail_partials: bool = False):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
         self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
         self.tail_one = tail_one
-        self.staged = staged_tails
+        self.staged = staged_tails  # 0 loops, 1 the inputs staged, 2 and the norm weights ahead
         self.partials = tail_partials
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
@@ -591,10 +614,10 @@ class Harness:
             output_shapes=[(self.D,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
     def _folded(self, stage: Stage, off: int, src, hidden, buf):
-        return _folded_kernel(2 * self.D * 4 if self.staged else 0)(
+        return _folded_kernel(2 * self.D * 4 if self.staged else 0)(  # (no barrier to put the norms ahead of)
             inputs=[buf, src, hidden, self.norms],
             template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows), ("D", self.D),
-                      ("STAGED", int(self.staged))],
+                      ("STAGED", min(self.staged, 1))],
             grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(stage.rows,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
@@ -624,11 +647,12 @@ class Harness:
     def _fused(self, layers, prev, barriers: bool, prev_act: int, prev_hid: int):
         plan = mx.array(self._plan(layers))
         n = plan.shape[0]
-        return _fused_kernel(ring_bytes(self.ring, self.threads, self.D, self.staged or self.partials))(
+        shared = ring_bytes(self.ring, self.threads, self.D, staged_vectors(self.staged, self.partials))
+        return _fused_kernel(shared)(
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
-                      ("TAIL_ONE", int(self.tail_one)), ("STAGED", int(self.staged)),
+                      ("TAIL_ONE", int(self.tail_one)), ("STAGED", self.staged),
                       ("PARTIALS", int(self.partials))],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
@@ -659,7 +683,7 @@ def tail_forms_differ(h: Harness) -> float:
     its output lands in the state), in loops and from partial sums: the largest difference of the
     hidden and that output, relative to their largest magnitude."""
     saved = h.tail_one, h.partials, h.staged, h.ring
-    h.tail_one, h.staged, h.ring = True, False, 0
+    h.tail_one, h.staged, h.ring = True, 0, 0
     out = []
     for partials in (False, True):
         h.partials = partials
@@ -736,6 +760,9 @@ def main(argv=None):
     ap.add_argument("--staged-tails", action="store_true",
                     help="separate-folded and fused kernels: each norm tail's inputs copied at once into threadgroup "
                          "memory by cp.async (one L2 round trip), instead of loaded again by each of its passes")
+    ap.add_argument("--norms-ahead", action="store_true",
+                    help="with --staged-tails, fused kernels: each tail's norm weights staged too, copied in before "
+                         "the barrier ahead of it (they depend on nothing the stages compute)")
     ap.add_argument("--tail-partials", action="store_true",
                     help="fused kernels: each stage whose output a norm tail takes leaves a threadgroup's sums of its "
                          "rows, so the tail needs one reduction of those instead of two over the vector (its inputs "
@@ -751,9 +778,12 @@ def main(argv=None):
         waves, rings = ([int(v) for v in a.split(",")] for a in (args.waves, args.rings))
     except ValueError:
         ap.error(f"--waves {args.waves!r} and --rings {args.rings!r}: comma-separated whole numbers")
+    if args.norms_ahead and (not args.staged_tails or args.tail_partials):
+        ap.error("--norms-ahead goes with --staged-tails, and not with --tail-partials")
+    staged = 2 if args.norms_ahead else int(args.staged_tails)
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
         need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd,
-                                                        args.staged_tails or args.tail_partials) + 1024)
+                                                        staged_vectors(staged, args.tail_partials)) + 1024)
         if r < 0 or need > SM_SHARED:
             ap.error(f"--rings {r}: {args.blocks_per_sm} threadgroups of {args.threads} threads need {need} bytes of "
                      f"threadgroup memory a multiprocessor, more than its {SM_SHARED}")
@@ -767,7 +797,8 @@ def main(argv=None):
           f"{args.layers} layers + head, {sum(s.nbytes for st in layers for s in st) / 1e9:.3f} GB a token, "
           f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads"
           + ("; tails: none" if args.no_tails else "; tails: " + ("by one" if args.tail_by_one else "by every")
-             + (", from partial sums" if args.tail_partials else ", staged" if args.staged_tails else ", in loops")),
+             + (", from partial sums" if args.tail_partials else ", staged with the norms ahead" if staged == 2
+                else ", staged" if staged else ", in loops")),
           flush=True)
     from bench import memory_bandwidths
 
@@ -791,7 +822,7 @@ def main(argv=None):
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
                 args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one,
-                staged_tails=args.staged_tails, tail_partials=args.tail_partials)
+                staged_tails=staged, tail_partials=args.tail_partials)
     if args.tail_partials:
         worst = tail_forms_differ(h)
         print(f"tails from partial sums against the loops, one token: largest relative difference {worst:.2e} "

@@ -74,7 +74,8 @@ def test_the_kernels_compile_for_the_gpu():
                                                  ("STAGED", staged)]) for staged in (0, 1)]
     for flavor in fc.BARRIERS.values():
         for ring, tail_one, staged, partials in ((0, 0, 0, 0), (4, 0, 0, 0), (4, 1, 0, 0), (0, 0, 1, 0), (0, 1, 1, 0),
-                                                 (4, 0, 1, 0), (0, 0, 0, 1), (0, 1, 0, 1), (4, 0, 0, 1)):
+                                                 (4, 0, 1, 0), (0, 0, 0, 1), (0, 1, 0, 1), (4, 0, 0, 1), (0, 0, 2, 0),
+                                                 (0, 1, 2, 0)):
             cases.append(("fusion_fused", fc.FUSED_BODY, ["w", "wh", "plan", "prev", "norms"],
                           [u32, u32, i32, f32, f32], ["state", "sync"], [f32, u32],
                           [("STAGES", 6), ("D", 256), ("CAP", 1024), ("BARRIERS", 1), ("PREV_ACT", 0),
@@ -89,14 +90,24 @@ def test_the_kernels_compile_for_the_gpu():
 
 
 @pytest.mark.parametrize("extra", [["--rings", "13"], ["--rings", "12", "--staged-tails"],
-                                   ["--rings", "12", "--tail-partials"]])
+                                   ["--rings", "12", "--tail-partials"],
+                                   ["--rings", "0", "--staged-tails", "--norms-ahead", "--blocks-per-sm", "2"]])
 def test_a_fused_grid_that_cannot_be_resident_is_refused(extra, capsys):
     """The grid barrier needs every threadgroup resident at once: 1,024 threads an SM with a ring of 13
-    chunks (208 KB) and ys, or of 12 with a staged tail's two vectors, pass an SM's 228 KB, and the
-    script says so before it touches a GPU (12 chunks alone fit)."""
+    chunks (208 KB) and ys, or of 12 with a staged tail's two vectors, pass an SM's 228 KB, as do two
+    threadgroups each staging four vectors; the script says so before it touches a GPU (12 chunks
+    alone fit)."""
     d = fc.MUSE_GLIMMER_30B.n_embd
     assert fc.fused_shared_bytes(12, 1024, d) + 1024 <= fc.SM_SHARED
+    blocks = extra[extra.index("--blocks-per-sm") + 1] if "--blocks-per-sm" in extra else "1"
+    threads = "512" if blocks == "2" else "1024"
     with pytest.raises(SystemExit) as e:
-        fc.main(["--modes=", "--threads", "1024", "--blocks-per-sm", "1", *extra])
+        fc.main(["--modes=", "--threads", threads, "--blocks-per-sm", "1", *extra])
     assert e.value.code == 2
-    assert f"--rings {extra[1]}: 1 threadgroups of 1024 threads need" in capsys.readouterr().err
+    assert f"--rings {extra[1]}: {blocks} threadgroups of {threads} threads need" in capsys.readouterr().err
+
+
+def test_norms_ahead_needs_staged_tails(capsys):
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--modes=", "--norms-ahead"])
+    assert e.value.code == 2 and "--norms-ahead goes with --staged-tails" in capsys.readouterr().err
