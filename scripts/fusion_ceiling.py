@@ -394,8 +394,9 @@ FOLDED_BODY = r"""
 # gave up, 2 a tail read a row its stage had not written; sync[2], the checksum of the words read).
 # RING > 0: the weights through a ring of RING chunks in dynamic threadgroup memory (ring_bytes);
 # TAIL_ONE: each tail computed by the first threadgroup alone, then a barrier (instead of by every one);
-# STAGED: the tails' inputs (1) and norm weights (2) staged in threadgroup memory (fc_tail); PARTIALS: every tail but the first
-# from the sums the stage before left (fc_tail_from_parts; its inputs staged as with STAGED)
+# STAGED: the tails' inputs (1) and norm weights (2) staged in threadgroup memory (fc_tail);
+# PARTIALS: every tail but the first from the sums the stage before left (fc_tail_from_parts; its
+# inputs staged as with STAGED)
 FUSED_BODY = r"""
     __shared__ float red[96];
     __shared__ float ys_own[RING ? 1 : D];
@@ -413,7 +414,8 @@ FUSED_BODY = r"""
     uint4 pre[FC_U];
     long long begin, end;
     FcCursor put{0, 0, 0, 0, 0};
-    if (STAGED == 2 && BARRIERS && plan[5] && (!TAIL_ONE || blockIdx.x == 0)) fc_stage_norms(norms, norms + D, D, xs);
+    if (STAGED == 2 && BARRIERS && plan[5] && (!TAIL_ONE || blockIdx.x == 0))  // the first tail's norms
+        fc_stage_norms(norms, norms + D, D, xs);
     if (RING) {
         fc_cursor_stage(put, plan, STAGES);
         for (int r = 0; r < RING; ++r) fc_put(put, plan, STAGES, w, wh, ring + r * blockDim.x);
