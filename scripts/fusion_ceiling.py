@@ -163,23 +163,16 @@ __device__ __forceinline__ unsigned fc_stream(const uint4* w, long long begin, l
 // the pass before; STAGED = 1: src and hidden copied at once into threadgroup memory xs (2 D floats)
 // by cp.async, 16 bytes a copy, one L2 round trip and no registers held, and the passes read them there
 // (cp.async's wait is for every group in flight: a ring's chunks included); STAGED = 2: the norm weights
-// too, at xs + 2 D (fc_stage_norms, issued before the barrier ahead of the tail), so that no pass waits
-// on a global load (each pass's loop is one load at a time: Nsight Compute, thirty-sixth session)
-__device__ __forceinline__ void fc_stage_in(const float* src, const float* hidden, int D, float* xs) {
+// too, at xs + 2 D (copied before the barrier ahead of the tail), so that no pass waits on a global
+// load (each pass's loop is one load at a time: Nsight Compute, thirty-sixth session)
+// x and y (D floats each) into dst and dst + D by cp.async, one group: the tail's src and hidden, or
+// its norm weights
+__device__ __forceinline__ void fc_stage_pair(const float* x, const float* y, int D, float* dst) {
     for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
-        const unsigned ds = (unsigned)__cvta_generic_to_shared(xs + 4 * i);
-        const unsigned dh = (unsigned)__cvta_generic_to_shared(xs + D + 4 * i);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(ds), "l"(src + 4 * i) : "memory");
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dh), "l"(hidden + 4 * i) : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void fc_stage_norms(const float* w1, const float* w2, int D, float* xs) {
-    for (int i = threadIdx.x; i < D / 4; i += blockDim.x) {
-        const unsigned d1 = (unsigned)__cvta_generic_to_shared(xs + 2 * D + 4 * i);
-        const unsigned d2 = (unsigned)__cvta_generic_to_shared(xs + 3 * D + 4 * i);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d1), "l"(w1 + 4 * i) : "memory");
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(d2), "l"(w2 + 4 * i) : "memory");
+        const unsigned dx = (unsigned)__cvta_generic_to_shared(dst + 4 * i);
+        const unsigned dy = (unsigned)__cvta_generic_to_shared(dst + D + 4 * i);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dx), "l"(x + 4 * i) : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dy), "l"(y + 4 * i) : "memory");
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -187,9 +180,12 @@ __device__ __forceinline__ void fc_stage_wait() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
 }
+// every row of a is stage expect's (flag 2 in *flags if not); a in global memory (through L2) or,
+// STAGED, in threadgroup memory
+template <int STAGED>
 __device__ __forceinline__ void fc_check_rows(const float* a, int D, int expect, unsigned* flags) {
     bool stale = false;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(a[i]) != (float)expect;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(STAGED ? a[i] : __ldcg(a + i)) != (float)expect;
     if (stale) atomicOr(flags, 2u);
 }
 // returns the sum of hidden'^2 (the same in every thread)
@@ -198,7 +194,7 @@ __device__ __forceinline__ float fc_tail(const float* src, const float* hidden, 
                                          int D, float* ys, float* hout, float* red, int expect, unsigned* flags,
                                          float* xs) {
     if (STAGED) {
-        fc_stage_in(src, hidden, D, xs);
+        fc_stage_pair(src, hidden, D, xs);
         fc_stage_wait();
     }
     auto ld = [&](const float* p, int i) { return STAGED ? p[i] : __ldcg(p + i); };
@@ -206,15 +202,7 @@ __device__ __forceinline__ float fc_tail(const float* src, const float* hidden, 
     const float* b = STAGED ? xs + D : hidden;
     const float* n1 = STAGED == 2 ? xs + 2 * D : w1;
     const float* n2 = STAGED == 2 ? xs + 3 * D : w2;
-    if (expect >= 0) {
-        if (STAGED) {
-            fc_check_rows(a, D, expect, flags);
-        } else {
-            bool stale = false;
-            for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(__ldcg(a + i)) != (float)expect;
-            if (stale) atomicOr(flags, 2u);
-        }
-    }
+    if (expect >= 0) fc_check_rows<STAGED>(a, D, expect, flags);
     float s = 0.0f;
     for (int i = threadIdx.x; i < D; i += blockDim.x) s += ld(a, i) * ld(a, i);
     const float scale1 = 1.0f / sqrtf(fc_block_sum(s, red) / D + 1e-5f);
@@ -257,7 +245,7 @@ __device__ __forceinline__ void fc_tail_from_parts(const float* src, const float
                                                    const float* w2, int D, float* ys, float* hout, float* red,
                                                    int expect, unsigned* flags, float* xs, const float* parts,
                                                    int nparts, float& shh) {
-    fc_stage_in(src, hidden, D, xs);
+    fc_stage_pair(src, hidden, D, xs);
     float a = 0.0f, b = 0.0f, c = 0.0f;
     for (int t = threadIdx.x; t < nparts; t += blockDim.x)
         a += __ldcg(parts + 4 * t), b += __ldcg(parts + 4 * t + 1), c += __ldcg(parts + 4 * t + 2);
@@ -266,7 +254,7 @@ __device__ __forceinline__ void fc_tail_from_parts(const float* src, const float
     shh = shh + 2.0f * s1 * b + s1 * s1 * c;
     const float s2 = 1.0f / sqrtf(shh / D + 1e-5f);
     fc_stage_wait();
-    if (expect >= 0) fc_check_rows(xs, D, expect, flags);
+    if (expect >= 0) fc_check_rows<1>(xs, D, expect, flags);
     for (int i = threadIdx.x; i < D; i += blockDim.x) {
         const float h = xs[D + i] + xs[i] * s1 * w1[i];
         if (hout) hout[i] = h;
@@ -411,11 +399,12 @@ FUSED_BODY = r"""
     unsigned arrivals = 0u, total = 0u;
     int tails = 0, slot = 0;
     float shh = 0.0f;  // PARTIALS: the sum of the hidden's squares, from the tail before
+    // the hidden the next tail adds to: the launch before's, or the last tail's
     uint4 pre[FC_U];
     long long begin, end;
     FcCursor put{0, 0, 0, 0, 0};
     if (STAGED == 2 && BARRIERS && plan[5] && (!TAIL_ONE || blockIdx.x == 0))  // the first tail's norms
-        fc_stage_norms(norms, norms + D, D, xs);
+        fc_stage_pair(norms, norms + D, D, xs + 2 * D);
     if (RING) {
         fc_cursor_stage(put, plan, STAGES);
         for (int r = 0; r < RING; ++r) fc_put(put, plan, STAGES, w, wh, ring + r * blockDim.x);
@@ -496,7 +485,7 @@ FUSED_BODY = r"""
         }
         // STAGED == 2: the next tail's norm weights on their way before the barrier
         if (STAGED == 2 && BARRIERS && s + 1 < STAGES && p[6 + 5] && (!TAIL_ONE || blockIdx.x == 0))
-            fc_stage_norms(norms, norms + D, D, xs);
+            fc_stage_pair(norms, norms + D, D, xs + 2 * D);
         if (BARRIERS && s + 1 < STAGES) fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
     }
     fc_checksum(sync + 2, total);
