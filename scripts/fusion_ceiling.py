@@ -587,8 +587,8 @@ class Harness:
         layer_words = max(sum(_words(s.nbytes) for s in st) for st in layers[:-1])
         head_words = _words(layers[-1][0].nbytes)
         # random words: what a weight file holds (zeros could be cheaper on some memory systems)
-        self.w = mx.random.randint(0, 2**31 - 1, (layer_words * 4,), dtype=mx.int32).view(mx.uint32)
-        self.wh = mx.random.randint(0, 2**31 - 1, (head_words * 4,), dtype=mx.int32).view(mx.uint32)
+        self.w = mx.random.randint(0, 2**31 - 1, (max(layer_words, 1) * 4,), dtype=mx.int32).view(mx.uint32)
+        self.wh = mx.random.randint(0, 2**31 - 1, (max(head_words, 1) * 4,), dtype=mx.int32).view(mx.uint32)
         self.norms = mx.random.uniform(0.5, 1.5, (2 * self.D,))
         mx.eval(self.w, self.wh, self.norms)
         self.weight_bytes = sum(s.nbytes for st in layers for s in st)
@@ -758,6 +758,9 @@ def main(argv=None):
                     help="fused kernels: each stage whose output a norm tail takes leaves a threadgroup's sums of its "
                          "rows, so the tail needs one reduction of those instead of two over the vector (its inputs "
                          "staged as with --staged-tails); first checks that both forms give the same hidden and output")
+    ap.add_argument("--bytes-scale", type=float, default=1.0,
+                    help="every stage's bytes times this (0: no weights at all, so that a mode times its launches, "
+                         "barriers and tails alone; default: 1, a token's bytes)")
     ap.add_argument("--probe", action="store_true",
                     help="first time grid barriers alone, per flavor and counter size, at the fused grid")
     args = ap.parse_args(argv)
@@ -771,6 +774,8 @@ def main(argv=None):
         ap.error(f"--waves {args.waves!r} and --rings {args.rings!r}: comma-separated whole numbers")
     if args.norms_ahead and (not args.staged_tails or args.tail_partials):
         ap.error("--norms-ahead goes with --staged-tails, and not with --tail-partials")
+    if not 0 <= args.bytes_scale <= 1:
+        ap.error(f"--bytes-scale {args.bytes_scale}: expected a fraction from 0 to 1")
     staged = 2 if args.norms_ahead else int(args.staged_tails)
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
         need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd,
@@ -783,7 +788,7 @@ def main(argv=None):
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         sys.exit("fusion_ceiling.py needs MLX's CUDA backend (its kernels are CUDA and a measurement of the GPU)")
     g = dataclasses.replace(MUSE_GLIMMER_30B, n_layer=args.layers)
-    layers = token_plan(g)
+    layers = [[dataclasses.replace(s, nbytes=round(s.nbytes * args.bytes_scale)) for s in st] for st in token_plan(g)]
     print(f"{datetime.date.today()}  mlx {mx.__version__}  {mx.device_info(mx.gpu).get('device_name', '?')}  "
           f"{args.layers} layers + head, {sum(s.nbytes for st in layers for s in st) / 1e9:.3f} GB a token, "
           f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads"

@@ -111,3 +111,10 @@ def test_norms_ahead_needs_staged_tails(capsys):
     with pytest.raises(SystemExit) as e:
         fc.main(["--modes=", "--norms-ahead"])
     assert e.value.code == 2 and "--norms-ahead goes with --staged-tails" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scale", ["1.5", "-0.1", "nan"])
+def test_bytes_scale_outside_zero_to_one_is_refused(scale, capsys):
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--modes=", "--bytes-scale", scale])
+    assert e.value.code == 2 and f"--bytes-scale {float(scale)}: expected a fraction from 0 to 1" in capsys.readouterr().err
