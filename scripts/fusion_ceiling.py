@@ -180,16 +180,36 @@ __device__ __forceinline__ void fc_stage_wait() {
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncthreads();
 }
-// every row of a is stage expect's (flag 2 in *flags if not); a in global memory (through L2) or,
-// STAGED, in threadgroup memory
-template <int STAGED>
-__device__ __forceinline__ void fc_check_rows(const float* a, int D, int expect, unsigned* flags) {
-    bool stale = false;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) stale |= floorf(STAGED ? a[i] : __ldcg(a + i)) != (float)expect;
-    if (stale) atomicOr(flags, 2u);
+// the sum of f(i) over this thread's indices i < n (threadIdx.x, then a blockDim.x apart), U at a time
+// into U partial sums, so that U loads issue before the first is waited for (U = 1: one at a time, each
+// iteration's load waited for before the next is issued, as nothing here unrolls: blockDim.x is not a
+// constant)
+template <int U, typename F>
+__device__ __forceinline__ float fc_sum_over(int n, F f) {
+    float acc[U];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) acc[u] = 0.0f;
+    int i = threadIdx.x;
+    for (; i + (U - 1) * (int)blockDim.x < n; i += U * blockDim.x) {
+        #pragma unroll
+        for (int u = 0; u < U; ++u) acc[u] += f(i + u * blockDim.x);
+    }
+    for (; i < n; i += blockDim.x) acc[0] += f(i);
+    float s = 0.0f;
+    #pragma unroll
+    for (int u = 0; u < U; ++u) s += acc[u];
+    return s;
 }
-// returns the sum of hidden'^2 (the same in every thread)
-template <int STAGED>
+// every row of a is stage expect's (flag 2 in *flags if not); a in global memory (through L2) or,
+// STAGED, in threadgroup memory; U loads at once
+template <int STAGED, int U = 1>
+__device__ __forceinline__ void fc_check_rows(const float* a, int D, int expect, unsigned* flags) {
+    const float stale = fc_sum_over<U>(D, [&](int i) {
+        return floorf(STAGED ? a[i] : __ldcg(a + i)) != (float)expect ? 1.0f : 0.0f; });
+    if (stale > 0.0f) atomicOr(flags, 2u);
+}
+// returns the sum of hidden'^2 (the same in every thread); each pass U loads at once (fc_sum_over)
+template <int STAGED, int U = 1>
 __device__ __forceinline__ float fc_tail(const float* src, const float* hidden, const float* w1, const float* w2,
                                          int D, float* ys, float* hout, float* red, int expect, unsigned* flags,
                                          float* xs) {
@@ -202,21 +222,42 @@ __device__ __forceinline__ float fc_tail(const float* src, const float* hidden, 
     const float* b = STAGED ? xs + D : hidden;
     const float* n1 = STAGED == 2 ? xs + 2 * D : w1;
     const float* n2 = STAGED == 2 ? xs + 3 * D : w2;
-    if (expect >= 0) fc_check_rows<STAGED>(a, D, expect, flags);
-    float s = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) s += ld(a, i) * ld(a, i);
+    if (expect >= 0) fc_check_rows<STAGED, U>(a, D, expect, flags);
+    const float s = fc_sum_over<U>(D, [&](int i) { return ld(a, i) * ld(a, i); });
     const float scale1 = 1.0f / sqrtf(fc_block_sum(s, red) / D + 1e-5f);
     __syncthreads();
     float h2 = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-        const float h = ld(b, i) + ld(a, i) * scale1 * n1[i];
-        ys[i] = h;
-        if (hout) hout[i] = h;
-        h2 += h * h;
+    for (int i0 = threadIdx.x; i0 < D; i0 += U * blockDim.x) {  // U indices' loads, then their stores
+        float av[U], bv[U], nv[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * blockDim.x;
+            av[u] = i < D ? ld(a, i) : 0.0f, bv[u] = i < D ? ld(b, i) : 0.0f, nv[u] = i < D ? n1[i] : 0.0f;
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i < D) {
+                const float h = bv[u] + av[u] * scale1 * nv[u];
+                ys[i] = h;
+                if (hout) hout[i] = h;
+                h2 += h * h;
+            }
+        }
     }
     const float hh = fc_block_sum(h2, red);
     const float scale2 = 1.0f / sqrtf(hh / D + 1e-5f);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ys[i] = ys[i] * scale2 * n2[i];
+    for (int i0 = threadIdx.x; i0 < D; i0 += U * blockDim.x) {
+        float yv[U], nv[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int i = i0 + u * blockDim.x;
+            yv[u] = i < D ? ys[i] : 0.0f, nv[u] = i < D ? n2[i] : 0.0f;
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (i0 + u * blockDim.x < D) ys[i0 + u * blockDim.x] = yv[u] * scale2 * nv[u];
+    }
     __syncthreads();
     return hh;
 }
@@ -342,8 +383,7 @@ __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target)
 
 # one stage, its own launch; inputs: w (its weights' buffer), x (its input vector)
 STAGE_BODY = r"""
-    float seed = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) seed += x[i];
+    const float seed = fc_sum_over<IN_U>(K, [&](int i) { return x[i]; });
     long long begin, end;
     fc_slab(LEN, gridDim.x, blockIdx.x, begin, end);
     const uint4* w4 = reinterpret_cast<const uint4*>(w) + OFF;
@@ -355,7 +395,7 @@ STAGE_BODY = r"""
 # one norm tail, one threadgroup
 TAIL_BODY = r"""
     __shared__ float red[32];
-    fc_tail<0>(src, hidden, norms, norms + D, D, y, hidden_out, red, -1, nullptr, nullptr);
+    fc_tail<0, IN_U>(src, hidden, norms, norms + D, D, y, hidden_out, red, -1, nullptr, nullptr);
 """
 
 # one stage with the norm tail before it folded in, its own launch; inputs: w, src (the output
@@ -369,10 +409,9 @@ FOLDED_BODY = r"""
     const uint4* w4 = reinterpret_cast<const uint4*>(w) + OFF;
     uint4 pre[FC_U];
     fc_first(w4, begin, end, pre);  // the weights' first loads in flight during the tail
-    fc_tail<STAGED>(src, hidden, norms, norms + D, D, ys, blockIdx.x == 0 ? hidden_out : nullptr, red, -1,
-                    nullptr, fc_xs);
-    float seed = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) seed += ys[i];
+    fc_tail<STAGED, IN_U>(src, hidden, norms, norms + D, D, ys, blockIdx.x == 0 ? hidden_out : nullptr, red, -1,
+                          nullptr, fc_xs);
+    const float seed = fc_sum_over<IN_U>(K, [&](int i) { return ys[i]; });
     fc_write(out, ROWS, ROWS, gridDim.x, blockIdx.x, fc_stream(w4, begin, end, pre), seed, 0);
 """
 
@@ -428,18 +467,18 @@ FUSED_BODY = r"""
                 fc_tail_from_parts(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, hout, red, s - 1, sync + 1, xs,
                                    parts + (tails & 1) * gridDim.x * 4, gridDim.x, shh);
             else if (!TAIL_ONE || blockIdx.x == 0)
-                shh = fc_tail<STAGED>(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, hout, red, s - 1, sync + 1,
+                shh = fc_tail<STAGED, IN_U>(src, h, norms, norms + D, D, TAIL_ONE ? ys_all : ys, hout, red, s - 1, sync + 1,
                                       xs);
             ++tails;
             if (TAIL_ONE) {
                 fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
-                for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(ys_all + i);
+                seed = fc_sum_over<IN_U>(k, [&](int i) { return __ldcg(ys_all + i); });
             } else {
-                for (int i = threadIdx.x; i < k; i += blockDim.x) seed += ys[i];
+                seed = fc_sum_over<IN_U>(k, [&](int i) { return ys[i]; });
             }
         } else {
             const float* x = s == 0 ? prev + PREV_ACT * CAP : act + ((s - 1) & 1) * CAP;
-            for (int i = threadIdx.x; i < k; i += blockDim.x) seed += __ldcg(x + i);
+            seed = fc_sum_over<IN_U>(k, [&](int i) { return __ldcg(x + i); });
         }
         // PARTIALS, a stage whose output a tail takes: the hidden and w1 at this thread's first row, loaded
         // now (they depend on nothing this stage computes), for the sums it leaves the tail
@@ -570,7 +609,7 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
 class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
                  barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False,
-                 staged_tails: int = 0, tail_partials: bool = False):
+                 staged_tails: int = 0, tail_partials: bool = False, in_flight: int = 1):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
@@ -578,6 +617,7 @@ class Harness:
         self.tail_one = tail_one
         self.staged = staged_tails  # 0 loops, 1 the inputs staged, 2 and the norm weights ahead
         self.partials = tail_partials
+        self.in_flight = in_flight  # loads at once in each pass over a vector (a stage's input, a tail's)
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
@@ -595,20 +635,21 @@ class Harness:
 
     def _stage(self, stage: Stage, off: int, x, buf):
         return self.k["stage"](
-            inputs=[buf, x], template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows)],
+            inputs=[buf, x], template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows),
+                                       ("IN_U", self.in_flight)],
             grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(stage.rows,)], output_dtypes=[mx.float32])[0]
 
     def _tail(self, src, hidden):
         return self.k["tail"](
-            inputs=[src, hidden, self.norms], template=[("D", self.D)], grid=(1024, 1, 1), threadgroup=(1024, 1, 1),
+            inputs=[src, hidden, self.norms], template=[("D", self.D), ("IN_U", self.in_flight)], grid=(1024, 1, 1), threadgroup=(1024, 1, 1),
             output_shapes=[(self.D,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
     def _folded(self, stage: Stage, off: int, src, hidden, buf):
         return _folded_kernel(2 * self.D * 4 if self.staged else 0)(  # (no barrier to put the norms ahead of)
             inputs=[buf, src, hidden, self.norms],
             template=[("OFF", off), ("LEN", _words(stage.nbytes)), ("K", stage.k), ("ROWS", stage.rows), ("D", self.D),
-                      ("STAGED", min(self.staged, 1))],
+                      ("STAGED", min(self.staged, 1)), ("IN_U", self.in_flight)],
             grid=(self.separate_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(stage.rows,), (self.D,)], output_dtypes=[mx.float32, mx.float32])
 
@@ -644,7 +685,7 @@ class Harness:
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
                       ("TAIL_ONE", int(self.tail_one)), ("STAGED", self.staged),
-                      ("PARTIALS", int(self.partials))],
+                      ("PARTIALS", int(self.partials)), ("IN_U", self.in_flight)],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
@@ -758,6 +799,10 @@ def main(argv=None):
                     help="fused kernels: each stage whose output a norm tail takes leaves a threadgroup's sums of its "
                          "rows, so the tail needs one reduction of those instead of two over the vector (its inputs "
                          "staged as with --staged-tails); first checks that both forms give the same hidden and output")
+    ap.add_argument("--in-flight", type=int, choices=(1, 2, 4), default=1,
+                    help="every kernel: loads a thread issues at once in each pass over a vector (a stage's input, "
+                         "a norm tail's passes), into as many partial sums; 1: each load waited for before the next "
+                         "(the figures before the thirty-seventh session) (default: 1)")
     ap.add_argument("--bytes-scale", type=float, default=1.0,
                     help="every stage's bytes times this (0: no weights at all, so that a mode times its launches, "
                          "barriers and tails alone; default: 1, a token's bytes)")
@@ -818,7 +863,7 @@ def main(argv=None):
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
                 args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one,
-                staged_tails=staged, tail_partials=args.tail_partials)
+                staged_tails=staged, tail_partials=args.tail_partials, in_flight=args.in_flight)
     if args.tail_partials:
         worst = tail_forms_differ(h)
         print(f"tails from partial sums against the loops, one token: largest relative difference {worst:.2e} "

@@ -57,7 +57,8 @@ def test_the_plan_lays_each_layer_end_to_end_and_the_head_apart():
 
 
 def test_the_kernels_compile_for_the_gpu():
-    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring and tail form builds for sm_90."""
+    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring, tail form and loads in flight
+    builds for sm_90."""
     from muse_mlx.kernels.cuda_prebuild import OWN_HEADER, Nvrtc, mlx_source
 
     try:
@@ -83,6 +84,8 @@ def test_the_kernels_compile_for_the_gpu():
                            ("STAGED", staged), ("PARTIALS", partials)]))
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
+    # every kernel with one load at a time and with four (--in-flight)
+    cases = [(*c[:-1], c[-1] + [("IN_U", u)]) for u in (1, 4) for c in cases]
     for name, body, ins, in_types, outs, out_types, template in cases:
         source = OWN_HEADER + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
         cubin, lowered, _ = nvrtc.build(source, "sm_90", f"mlx::core::cu::{name}")
