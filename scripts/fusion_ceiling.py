@@ -35,6 +35,11 @@ tail's two input vectors into threadgroup memory with one round of ``cp.async`` 
 ``--norms-ahead`` stages the norm weights too, copied in before the barrier ahead of each tail;
 ``--tail-partials`` has each stage a tail takes leave a threadgroup's sums over its rows, so that the
 tail reduces 3 values a threadgroup instead of the vector twice (checked against the loops first).
+``--in-flight U`` has every pass over a vector (each stage's read of its input, a tail's passes)
+issue U loads a thread at once into U partial sums; at 1 (the default, and every figure before the
+thirty-seventh session) each load is waited for before the next is issued, which a real kernel's
+input read would not do. ``--bytes-scale 0`` streams no weights: a mode then times its launches,
+barriers, input reads and tails alone.
 
 A grid-wide barrier is only safe when every threadgroup is resident at once, so the fused grids
 are ``--sms`` x ``--blocks-per-sm``; a barrier that waits more than about a second gives up and
