@@ -844,7 +844,8 @@ def main(argv=None):
           f"{sum(len(st) for st in layers)} stages; fused grid {args.sms} x {args.blocks_per_sm} x {args.threads} threads"
           + ("; tails: none" if args.no_tails else "; tails: " + ("by one" if args.tail_by_one else "by every")
              + (", from partial sums" if args.tail_partials else ", staged with the norms ahead" if staged == 2
-                else ", staged" if staged else ", in loops")),
+                else ", staged" if staged else ", in loops"))
+          + f"; {args.in_flight} load(s) at once a pass" + (f"; bytes x {args.bytes_scale:g}" if args.bytes_scale != 1 else ""),
           flush=True)
     from bench import memory_bandwidths
 
