@@ -29,7 +29,7 @@ first, as a matvec reads it), in four structures:
 ``cp.async`` in the order each threadgroup reads them: the loads then run ahead of the data, through
 every barrier and tail, by as many chunks as the ring holds (a persistent decode kernel's way to
 keep the stream going at a dependency). Every fused launch also sums what it read (order-free), and
-a case whose sum differs from the first fused case's is void. ``--staged-tails`` copies each norm
+a case whose sum differs from the token's words summed on the host is void. ``--staged-tails`` copies each norm
 tail's two input vectors into threadgroup memory with one round of ``cp.async`` before its passes
 (the loop form loads them from L2 again in each pass, each pass waiting on the one before);
 ``--norms-ahead`` stages the norm weights too, copied in before the barrier ahead of each tail;
@@ -432,6 +432,7 @@ FOLDED_BODY = r"""
 FUSED_BODY = r"""
     __shared__ float red[96];
     __shared__ float ys_own[RING ? 1 : D];
+    __shared__ unsigned fc_next;  // CHUNKS: the chunk this threadgroup streams next
     extern __shared__ uint4 fc_dyn[];  // RING > 0: the ring, then ys; STAGED: then xs (2 or 4 D floats)
     uint4* ring = fc_dyn;
     float* ys = RING ? reinterpret_cast<float*>(fc_dyn + RING * blockDim.x) : ys_own;
@@ -454,7 +455,7 @@ FUSED_BODY = r"""
         for (int r = 0; r < RING; ++r) fc_put(put, plan, STAGES, w, wh, ring + r * blockDim.x);
     } else {
         const int* p = plan;
-        fc_slab(p[2], gridDim.x, blockIdx.x, begin, end);
+        fc_slab(p[2], gridDim.x * (CHUNKS ? CHUNKS : 1), blockIdx.x, begin, end);
         fc_first(reinterpret_cast<const uint4*>(p[0] ? wh : w) + p[1], begin, end, pre);
     }
     for (int s = 0; s < STAGES; ++s) {
@@ -506,10 +507,26 @@ FUSED_BODY = r"""
                 slot = slot + 1 == RING ? 0 : slot + 1;
             }
         } else {
+            // CHUNKS: the stage in gridDim.x * CHUNKS chunks, the first by threadgroup, the rest to whichever
+            // threadgroup asks first (a counter a stage, each on its own 128-byte line from sync[64]); each
+            // asks for its next while it streams the one it has, so the atomic's round trip is hidden
+            unsigned grab = 0u;
+            if (CHUNKS && threadIdx.x == 0) grab = atomicAdd(sync + 64 + 32 * s, 1u);
             acc = fc_stream(w4, begin, end, pre);
+            for (const unsigned nch = gridDim.x * CHUNKS; CHUNKS;) {
+                if (threadIdx.x == 0) fc_next = gridDim.x + grab;
+                __syncthreads();
+                const unsigned c = fc_next;
+                __syncthreads();
+                if (c >= nch) break;
+                if (threadIdx.x == 0) grab = atomicAdd(sync + 64 + 32 * s, 1u);
+                fc_slab(p[2], nch, c, begin, end);
+                fc_first(w4, begin, end, pre);
+                acc += fc_stream(w4, begin, end, pre);
+            }
             if (s + 1 < STAGES) {  // the next stage's first loads, before the wait
                 const int* q = p + 6;
-                fc_slab(q[2], gridDim.x, blockIdx.x, begin, end);
+                fc_slab(q[2], gridDim.x * (CHUNKS ? CHUNKS : 1), blockIdx.x, begin, end);
                 fc_first(reinterpret_cast<const uint4*>(q[0] ? wh : w) + q[1], begin, end, pre);
             }
         }
@@ -611,10 +628,22 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
     return np.array(rows, dtype=np.int32)
 
 
+def token_word_sum(rows: np.ndarray, w: np.ndarray, wh: np.ndarray) -> int:
+    """What a token's fused launches add up in their checksum (``fc_checksum``): every 16-byte word of
+    every stage's slice (``plan_rows``: buffer, offset, length) folded by xor into 32 bits, summed mod
+    2^32, here from the buffers themselves, so that a launch that skipped or repeated a word is caught."""
+    prefix = []
+    for buf in (w, wh):  # per buffer, the running sum of its words' folds
+        fold = np.bitwise_xor.reduce(np.asarray(buf, dtype=np.uint32).reshape(-1, 4), axis=1).astype(np.uint64)
+        prefix.append(np.concatenate([np.zeros(1, np.uint64), np.cumsum(fold, dtype=np.uint64)]))
+    total = sum(int(prefix[b][off + n]) - int(prefix[b][off]) for b, off, n in rows[:, :3].tolist())
+    return total % 2**32
+
+
 class Harness:
     def __init__(self, layers: list[list[Stage]], g: Geometry, threads: int, fused_blocks: int, sms: int,
                  barrier: str = "fence", sync_words: int = SYNC_WORDS, tails: bool = True, tail_one: bool = False,
-                 staged_tails: int = 0, tail_partials: bool = False, in_flight: int = 1):
+                 staged_tails: int = 0, tail_partials: bool = False, in_flight: int = 1, chunks: int = 0):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
         self.tails = tails
@@ -623,6 +652,9 @@ class Harness:
         self.staged = staged_tails  # 0 loops, 1 the inputs staged, 2 and the norm weights ahead
         self.partials = tail_partials
         self.in_flight = in_flight  # loads at once in each pass over a vector (a stage's input, a tail's)
+        self.chunks = chunks  # fused kernels: chunks a threadgroup a stage, handed out as asked for (0: slabs)
+        if chunks:  # a counter a stage, each on its own 128-byte line after the barrier's words
+            self.sync_words = max(self.sync_words, SYNC_WORDS + 32 * sum(len(st) for st in layers))
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
@@ -690,7 +722,7 @@ class Harness:
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
                       ("TAIL_ONE", int(self.tail_one)), ("STAGED", self.staged),
-                      ("PARTIALS", int(self.partials)), ("IN_U", self.in_flight)],
+                      ("PARTIALS", int(self.partials)), ("IN_U", self.in_flight), ("CHUNKS", self.chunks)],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
@@ -808,6 +840,11 @@ def main(argv=None):
                     help="every kernel: loads a thread issues at once in each pass over a vector (a stage's input, "
                          "a norm tail's passes), into as many partial sums; 1: each load waited for before the next "
                          "(the figures before the thirty-seventh session) (default: 1)")
+    ap.add_argument("--chunks", type=int, default=0,
+                    help="fused kernels: each stage cut into this many chunks a threadgroup, the first by "
+                         "threadgroup and the rest to whichever threadgroup asks first (an atomic counter a stage), "
+                         "so that no threadgroup waits at a barrier for a slow one's slab; 0: one slab a "
+                         "threadgroup (default: 0; not with --rings)")
     ap.add_argument("--bytes-scale", type=float, default=1.0,
                     help="every stage's bytes times this (0: no weights at all, so that a mode times its launches, "
                          "barriers and tails alone; default: 1, a token's bytes)")
@@ -826,6 +863,8 @@ def main(argv=None):
         ap.error("--norms-ahead goes with --staged-tails, and not with --tail-partials")
     if not 0 <= args.bytes_scale <= 1:
         ap.error(f"--bytes-scale {args.bytes_scale}: expected a fraction from 0 to 1")
+    if args.chunks < 0 or (args.chunks and any(rings)):
+        ap.error(f"--chunks {args.chunks}: a whole number, and not with --rings")
     staged = 2 if args.norms_ahead else int(args.staged_tails)
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
         need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd,
@@ -845,7 +884,7 @@ def main(argv=None):
           + ("; tails: none" if args.no_tails else "; tails: " + ("by one" if args.tail_by_one else "by every")
              + (", from partial sums" if args.tail_partials else ", staged with the norms ahead" if staged == 2
                 else ", staged" if staged else ", in loops"))
-          + f"; {args.in_flight} load(s) at once a pass" + (f"; bytes x {args.bytes_scale:g}" if args.bytes_scale != 1 else ""),
+          + f"; {args.in_flight} load(s) at once a pass" + (f"; {args.chunks} chunks a threadgroup" if args.chunks else "") + (f"; bytes x {args.bytes_scale:g}" if args.bytes_scale != 1 else ""),
           flush=True)
     from bench import memory_bandwidths
 
@@ -869,7 +908,8 @@ def main(argv=None):
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
                 args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one,
-                staged_tails=staged, tail_partials=args.tail_partials, in_flight=args.in_flight)
+                staged_tails=staged, tail_partials=args.tail_partials, in_flight=args.in_flight,
+                chunks=args.chunks)
     if args.tail_partials:
         worst = tail_forms_differ(h)
         print(f"tails from partial sums against the loops, one token: largest relative difference {worst:.2e} "
@@ -879,7 +919,7 @@ def main(argv=None):
     wb = h.weight_bytes
     # the separate launches once per --waves value, the fused ones once per --rings value
     cases = [(m, v) for m in modes for v in (waves if m.startswith("separate") else rings)]
-    first_sum = None  # the words a token's fused launches read, summed: the same for every structure
+    want_sum = None  # the words a token's fused launches read, summed on the host (token_word_sum)
     for m, v in cases:
         if m.startswith("separate"):
             h.separate_blocks = v * args.sms
@@ -905,13 +945,15 @@ def main(argv=None):
             per = [np.array(f, dtype=np.uint64).reshape(-1, 2) for f in flags]
             seen = int(np.bitwise_or.reduce(np.concatenate([f[:, 0] for f in per])))
             sums = {int(f[:, 1].sum() % 2**32) for f in per}
-            first_sum = first_sum or sums
-            other_words = len(sums) != 1 or sums != first_sum
+            if want_sum is None:
+                want_sum = token_word_sum(plan_rows(layers), np.array(h.w), np.array(h.wh))
+            other_words = sums != {want_sum}
             if seen or other_words:
                 why = "; ".join(w for bit, w in ((1, "a grid barrier's wait gave up (threadgroups not all resident?)"),
                                                  (2, "a tail read rows its stage had not written")) if seen & bit)
                 if other_words:
-                    why += ("; " if why else "") + f"it read other words than the first fused case ({sorted(sums)[:3]})"
+                    why += (("; " if why else "") + f"the sum of the words it read ({sorted(sums)[:3]}) is not the "
+                            f"token's ({want_sum})")
                 print(f"{label}: {why}: figures void", flush=True)
                 continue
         med = statistics.median(secs)

@@ -57,8 +57,8 @@ def test_the_plan_lays_each_layer_end_to_end_and_the_head_apart():
 
 
 def test_the_kernels_compile_for_the_gpu():
-    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring, tail form and loads in flight
-    builds for sm_90."""
+    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring, tail form, loads in flight
+    and chunks handed out builds for sm_90."""
     from muse_mlx.kernels.cuda_prebuild import OWN_HEADER, Nvrtc, mlx_source
 
     try:
@@ -85,7 +85,8 @@ def test_the_kernels_compile_for_the_gpu():
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     # every kernel with one load at a time and with four (--in-flight)
-    cases = [(*c[:-1], c[-1] + [("IN_U", u)]) for u in (1, 4) for c in cases]
+    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks)]) for u in (1, 4) for c in cases
+             for chunks in ((0, 4) if c[0] == "fusion_fused" and ("RING", 0) in c[-1] else (0,))]
     for name, body, ins, in_types, outs, out_types, template in cases:
         source = OWN_HEADER + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
         cubin, lowered, _ = nvrtc.build(source, "sm_90", f"mlx::core::cu::{name}")
@@ -121,3 +122,26 @@ def test_bytes_scale_outside_zero_to_one_is_refused(scale, capsys):
     with pytest.raises(SystemExit) as e:
         fc.main(["--modes=", "--bytes-scale", scale])
     assert e.value.code == 2 and f"--bytes-scale {float(scale)}: expected a fraction from 0 to 1" in capsys.readouterr().err
+
+
+def test_chunks_are_refused_with_a_ring(capsys):
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--modes=", "--chunks", "4", "--rings", "4"])
+    assert e.value.code == 2 and "--chunks 4: a whole number, and not with --rings" in capsys.readouterr().err
+
+
+def test_the_token_word_sum_is_every_planned_word_folded_once():
+    """The fused kernels' checksum is checked against this sum of the buffers: each stage's words,
+    each folded by xor into 32 bits, added mod 2^32 (here against a plain loop over the same words)."""
+    rng = np.random.default_rng(5)
+    w = rng.integers(0, 2**32, 4 * 300, dtype=np.uint64).astype(np.uint32)
+    wh = rng.integers(0, 2**32, 4 * 50, dtype=np.uint64).astype(np.uint32)
+    rows = np.array([[0, 0, 120, 0, 0, 0], [0, 120, 180, 0, 0, 1], [1, 0, 50, 0, 0, 1], [0, 0, 7, 0, 0, 0]],
+                    dtype=np.int32)
+    want = 0
+    for b, off, n in rows[:, :3].tolist():
+        words = (w if b == 0 else wh).reshape(-1, 4)[off:off + n]
+        for x, y, z, t in words.tolist():
+            want = (want + (x ^ y ^ z ^ t)) % 2**32
+    assert fc.token_word_sum(rows, w, wh) == want
+    assert fc.token_word_sum(rows[:3], w, wh) != want  # a stage's words left out is seen
