@@ -347,6 +347,12 @@ __device__ __forceinline__ void fc_checksum(unsigned* at, unsigned v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if ((threadIdx.x & 31) == 0) atomicAdd(at, v);
 }
+// the GPU's clock in ns, the same on every multiprocessor (%globaltimer)
+__device__ __forceinline__ unsigned long long fc_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
 __device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -547,7 +553,20 @@ FUSED_BODY = r"""
         // STAGED == 2: the next tail's norm weights on their way before the barrier
         if (STAGED == 2 && BARRIERS && s + 1 < STAGES && p[6 + 5] && (!TAIL_ONE || blockIdx.x == 0))
             fc_stage_pair(norms, norms + D, D, xs + 2 * D);
-        if (BARRIERS && s + 1 < STAGES) fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
+        if (BARRIERS && s + 1 < STAGES) {
+            // TIMES: when this threadgroup arrived (all its threads done) and left, at sync[TIMES_AT] on
+            unsigned long long t0 = 0ull;
+            if (TIMES) {
+                __syncthreads();
+                if (threadIdx.x == 0) t0 = fc_now();
+            }
+            fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
+            if (TIMES && threadIdx.x == 0) {
+                unsigned long long* at = reinterpret_cast<unsigned long long*>(sync + TIMES_AT);
+                at[2 * ((arrivals - 1) * gridDim.x + blockIdx.x)] = t0;
+                at[2 * ((arrivals - 1) * gridDim.x + blockIdx.x) + 1] = fc_now();
+            }
+        }
     }
     fc_checksum(sync + 2, total);
 """
@@ -560,6 +579,7 @@ PROBE_BODY = r"""
 
 BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3}
 SYNC_WORDS = 64  # the least counter array: the counter, the flags, the release flag at word 32
+TIMES_AT = 16384  # --barrier-times: where the arrival and release times start in the counter array (words)
 
 
 @functools.cache
@@ -628,6 +648,28 @@ def plan_rows(layers: list[list[Stage]]) -> np.ndarray:
     return np.array(rows, dtype=np.int32)
 
 
+def barrier_waits(t: np.ndarray) -> dict[str, np.ndarray]:
+    """Per barrier, from ``t`` [barriers, threadgroups, 2] (arrival, release; ns): ``skew``, the last
+    arrival minus the first (how unevenly the threadgroups finished the stage); ``lag``, the first
+    release minus the last arrival (the barrier's own latency); ``wait``, a threadgroup's release minus
+    its arrival, averaged over the threadgroups (what the barrier cost them)."""
+    arrive, leave = t[..., 0].astype(np.int64), t[..., 1].astype(np.int64)
+    return dict(skew=arrive.max(1) - arrive.min(1), lag=leave.min(1) - arrive.max(1),
+                wait=(leave - arrive).mean(1))
+
+
+def print_barrier_waits(t: np.ndarray, names: list[str]) -> None:
+    """``barrier_waits`` by the stage before each barrier (``names``), medians and sums, in µs."""
+    w = barrier_waits(t)
+    print(f"barrier times, one token ({t.shape[0]} barriers x {t.shape[1]} threadgroups; clock steps seen: "
+          f"{np.min(np.diff(np.unique(t))) if t.size > 1 else 0} ns):", flush=True)
+    print(f"  {'after':14s} {'n':>4s} {'skew':>7s} {'lag':>7s} {'wait':>7s}   (medians, µs)")
+    for name in dict.fromkeys(names):
+        sel = np.array([n == name for n in names])
+        print(f"  {name:14s} {sel.sum():4d} " + " ".join(f"{np.median(w[k][sel]) / 1e3:7.2f}" for k in ("skew", "lag", "wait")))
+    print("  a token, ms:      " + " ".join(f"{w[k].sum() / 1e6:7.3f}" for k in ("skew", "lag", "wait")), flush=True)
+
+
 def token_word_sum(rows: np.ndarray, w: np.ndarray, wh: np.ndarray) -> int:
     """What a token's fused launches add up in their checksum (``fc_checksum``): every 16-byte word of
     every stage's slice (``plan_rows``: buffer, offset, length) folded by xor into 32 bits, summed mod
@@ -653,6 +695,7 @@ class Harness:
         self.partials = tail_partials
         self.in_flight = in_flight  # loads at once in each pass over a vector (a stage's input, a tail's)
         self.chunks = chunks  # fused kernels: chunks a threadgroup a stage, handed out as asked for (0: slabs)
+        self.times = 0  # 1: the fused kernels record each barrier's arrivals and releases (barrier_times)
         if chunks:  # a counter a stage, each on its own 128-byte line after the barrier's words
             self.sync_words = max(self.sync_words, SYNC_WORDS + 32 * sum(len(st) for st in layers))
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
@@ -722,7 +765,8 @@ class Harness:
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
                       ("TAIL_ONE", int(self.tail_one)), ("STAGED", self.staged),
-                      ("PARTIALS", int(self.partials)), ("IN_U", self.in_flight), ("CHUNKS", self.chunks)],
+                      ("PARTIALS", int(self.partials)), ("IN_U", self.in_flight), ("CHUNKS", self.chunks),
+                      ("TIMES", self.times), ("TIMES_AT", TIMES_AT)],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
             output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
@@ -740,6 +784,23 @@ class Harness:
             act, hid = self._parity(self.layers[li:li + 1])
             flags.append(sync[1:3])
         return state, mx.stack(flags)
+
+    def barrier_times(self) -> np.ndarray:
+        """One ``fused-token`` launch that records, per barrier and threadgroup, when the threadgroup
+        arrived and when it left (ns): [barriers, threadgroups, 2]."""
+        n = len(self._plan(self.layers)) - 1
+        saved = self.times, self.sync_words
+        self.times, self.sync_words = 1, max(self.sync_words, TIMES_AT + 4 * n * self.fused_blocks)
+        try:
+            act, hid = self._parity(self.layers)
+            _, sync = self._fused(self.layers, mx.ones((self.state_size,)), True, act, hid)
+            mx.eval(sync)
+        finally:
+            self.times, self.sync_words = saved
+        if int(sync[1].item()):
+            sys.exit(f"--barrier-times: the launch raised flags {int(sync[1].item())} (see sync[1])")
+        return np.array(sync[TIMES_AT: TIMES_AT + 4 * n * self.fused_blocks]).view(np.uint64).reshape(
+            n, self.fused_blocks, 2)
 
     def fused_token(self, state, barriers=True):
         act, hid = self._parity(self.layers)
@@ -845,6 +906,10 @@ def main(argv=None):
                          "threadgroup and the rest to whichever threadgroup asks first (an atomic counter a stage), "
                          "so that no threadgroup waits at a barrier for a slow one's slab; 0: one slab a "
                          "threadgroup (default: 0; not with --rings)")
+    ap.add_argument("--barrier-times", action="store_true",
+                    help="after the modes, one fused-token launch that records when each threadgroup arrived at "
+                         "and left each barrier: per stage, the arrivals' skew, the barrier's own lag and the "
+                         "mean wait (not with --tail-by-one or --rings)")
     ap.add_argument("--bytes-scale", type=float, default=1.0,
                     help="every stage's bytes times this (0: no weights at all, so that a mode times its launches, "
                          "barriers and tails alone; default: 1, a token's bytes)")
@@ -863,6 +928,8 @@ def main(argv=None):
         ap.error("--norms-ahead goes with --staged-tails, and not with --tail-partials")
     if not 0 <= args.bytes_scale <= 1:
         ap.error(f"--bytes-scale {args.bytes_scale}: expected a fraction from 0 to 1")
+    if args.barrier_times and (args.tail_by_one or any(rings)):
+        ap.error("--barrier-times: the fused kernel's own barriers only (not with --tail-by-one or --rings)")
     if args.chunks < 0 or (args.chunks and any(rings)):
         ap.error(f"--chunks {args.chunks}: a whole number, and not with --rings")
     staged = 2 if args.norms_ahead else int(args.staged_tails)
@@ -904,7 +971,7 @@ def main(argv=None):
                 sys.exit("every barrier's wait gave up: the fused grid's threadgroups are not all resident")
             args.barrier, args.sync_words = min(timed, key=timed.get)
             print(f"fused kernels: barrier {args.barrier}, counter of {args.sync_words} words", flush=True)
-    if not modes:
+    if not modes and not args.barrier_times:
         return
     h = Harness(layers, g, args.threads, args.sms * args.blocks_per_sm, args.sms, args.barrier,
                 args.sync_words, tails=not args.no_tails, tail_one=args.tail_by_one,
@@ -960,6 +1027,9 @@ def main(argv=None):
         print(f"{label:22s} {med * 1e3:7.3f} ms a token = {1 / med:6.1f} tok/s; {wb / med / 1e12:.3f} TB/s "
               f"= {wb / med / copy:.0%} of copy, {wb / med / read:.0%} of read; "
               f"runs {[round(s * 1e3, 3) for s in secs]}", flush=True)
+    if args.barrier_times:
+        h.ring = 0
+        print_barrier_waits(h.barrier_times(), [s.name for st in layers for s in st][:-1])
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ def test_the_plan_lays_each_layer_end_to_end_and_the_head_apart():
 
 
 def test_the_kernels_compile_for_the_gpu():
-    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring, tail form, loads in flight
-    and chunks handed out builds for sm_90."""
+    """Where NVRTC is installed (not on CI): every kernel, barrier flavor, ring, tail form, loads in flight,
+    chunks handed out and barrier times builds for sm_90."""
     from muse_mlx.kernels.cuda_prebuild import OWN_HEADER, Nvrtc, mlx_source
 
     try:
@@ -85,8 +85,10 @@ def test_the_kernels_compile_for_the_gpu():
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     # every kernel with one load at a time and with four (--in-flight)
-    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks)]) for u in (1, 4) for c in cases
-             for chunks in ((0, 4) if c[0] == "fusion_fused" and ("RING", 0) in c[-1] else (0,))]
+    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks), ("TIMES", times), ("TIMES_AT", fc.TIMES_AT)])
+             for u in (1, 4) for c in cases
+             for chunks, times in (((0, 0), (4, 0), (0, 1)) if c[0] == "fusion_fused" and ("RING", 0) in c[-1]
+                                   else ((0, 0),))]
     for name, body, ins, in_types, outs, out_types, template in cases:
         source = OWN_HEADER + mlx_source(name, fc.HEADER, body, ins, in_types, outs, out_types, template)
         cubin, lowered, _ = nvrtc.build(source, "sm_90", f"mlx::core::cu::{name}")
@@ -145,3 +147,18 @@ def test_the_token_word_sum_is_every_planned_word_folded_once():
             want = (want + (x ^ y ^ z ^ t)) % 2**32
     assert fc.token_word_sum(rows, w, wh) == want
     assert fc.token_word_sum(rows[:3], w, wh) != want  # a stage's words left out is seen
+
+
+def test_barrier_waits_read_skew_lag_and_wait():
+    """Two barriers of three threadgroups (arrival, release; ns), worked by hand."""
+    t = np.array([[[100, 500], [300, 520], [400, 510]],
+                  [[1000, 1900], [1000, 1950], [1800, 1900]]], dtype=np.uint64)
+    w = fc.barrier_waits(t)
+    assert list(w["skew"]) == [300, 800] and list(w["lag"]) == [100, 100]
+    assert np.allclose(w["wait"], [(400 + 220 + 110) / 3, (900 + 950 + 100) / 3])
+
+
+def test_barrier_times_are_refused_with_a_tail_by_one(capsys):
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--modes=", "--barrier-times", "--tail-by-one"])
+    assert e.value.code == 2 and "--barrier-times: the fused kernel's own barriers only" in capsys.readouterr().err
