@@ -555,17 +555,16 @@ FUSED_BODY = r"""
             fc_stage_pair(norms, norms + D, D, xs + 2 * D);
         if (BARRIERS && s + 1 < STAGES) {
             // TIMES: when this threadgroup arrived (all its threads done) and left, at sync[TIMES_AT] on
-            unsigned long long t0 = 0ull;
+            // (written as they happen: a time held in a register across the barrier cost the launch its
+            // residency at 1,024 threads, once the driver had compiled it)
+            unsigned long long* at = reinterpret_cast<unsigned long long*>(sync + TIMES_AT)
+                                     + 2 * (arrivals * gridDim.x + blockIdx.x);
             if (TIMES) {
                 __syncthreads();
-                if (threadIdx.x == 0) t0 = fc_now();
+                if (threadIdx.x == 0) at[0] = fc_now();
             }
             fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
-            if (TIMES && threadIdx.x == 0) {
-                unsigned long long* at = reinterpret_cast<unsigned long long*>(sync + TIMES_AT);
-                at[2 * ((arrivals - 1) * gridDim.x + blockIdx.x)] = t0;
-                at[2 * ((arrivals - 1) * gridDim.x + blockIdx.x) + 1] = fc_now();
-            }
+            if (TIMES && threadIdx.x == 0) at[1] = fc_now();
         }
     }
     fc_checksum(sync + 2, total);
@@ -662,12 +661,16 @@ def print_barrier_waits(t: np.ndarray, names: list[str]) -> None:
     """``barrier_waits`` by the stage before each barrier (``names``), medians and sums, in µs."""
     w = barrier_waits(t)
     print(f"barrier times, one token ({t.shape[0]} barriers x {t.shape[1]} threadgroups; clock steps seen: "
-          f"{np.min(np.diff(np.unique(t))) if t.size > 1 else 0} ns):", flush=True)
-    print(f"  {'after':14s} {'n':>4s} {'skew':>7s} {'lag':>7s} {'wait':>7s}   (medians, µs)")
+          f"{np.min(np.diff(np.unique(t))) if t.size > 1 else 0} ns; first arrival to last release "
+          f"{(int(t[..., 1].max()) - int(t[..., 0].min())) / 1e6:.3f} ms):", flush=True)
+    print(f"  {'after':14s} {'n':>4s}  skew: median  mean   max  lag: median  mean   max  wait: median  mean  (µs)")
     for name in dict.fromkeys(names):
         sel = np.array([n == name for n in names])
-        print(f"  {name:14s} {sel.sum():4d} " + " ".join(f"{np.median(w[k][sel]) / 1e3:7.2f}" for k in ("skew", "lag", "wait")))
-    print("  a token, ms:      " + " ".join(f"{w[k].sum() / 1e6:7.3f}" for k in ("skew", "lag", "wait")), flush=True)
+        print(f"  {name:14s} {sel.sum():4d} " + "".join(
+            f"{np.median(w[k][sel]) / 1e3:13.2f}{w[k][sel].mean() / 1e3:6.2f}" + (f"{w[k][sel].max() / 1e3:6.1f}" if k != "wait" else "")
+            for k in ("skew", "lag", "wait")))
+    worst = int(np.argmax(w["skew"]))
+    print(f"  the largest skew: barrier {worst} (after {names[worst]}), {w['skew'][worst] / 1e3:.1f} µs", flush=True)
 
 
 def token_word_sum(rows: np.ndarray, w: np.ndarray, wh: np.ndarray) -> int:
