@@ -362,13 +362,27 @@ __device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
 // cycles. FLAVOR 0: a fence, atomicAdd, volatile polls of the counter; 1: a release add and acquire
 // polls (gpu scope); 2: as 1, with a short sleep between polls; 3: the last to arrive (an acq_rel
 // add returns the count before it) releases the others through a flag of its own 128-byte line,
-// sync[32], which changes once a barrier where the counter changes once per threadgroup
+// sync[32], which changes once a barrier where the counter changes once per threadgroup; 4: in two
+// levels, against the burst of 132 adds on one word when every threadgroup arrives at once: each adds to
+// its group's counter (FC_GROUP threadgroups a group, each counter on its own 128-byte line from
+// sync[FC_GROUPS_AT]), the last of a group adds to sync[0], and all poll sync[0] for every group
+#define FC_GROUP 12
+#define FC_GROUPS_AT 8448
 template <int FLAVOR>
 __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target) {
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned* poll = FLAVOR == 3 ? sync + 32 : sync;
-        if (FLAVOR == 0) {
+        unsigned goal = target;  // what poll reaches once every threadgroup has arrived
+        if (FLAVOR == 4) {
+            const unsigned k = target / gridDim.x, g = blockIdx.x / FC_GROUP;
+            const unsigned n = min((unsigned)FC_GROUP, gridDim.x - g * FC_GROUP);  // this group's size
+            goal = k * ((gridDim.x + FC_GROUP - 1) / FC_GROUP);
+            unsigned before;
+            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+                         : "=r"(before) : "l"(sync + FC_GROUPS_AT + 32 * g) : "memory");
+            if (before + 1u == k * n) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(sync) : "memory");
+        } else if (FLAVOR == 0) {
             __threadfence();
             atomicAdd(sync, 1u);
         } else if (FLAVOR == 3) {
@@ -381,7 +395,7 @@ __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target)
         }
         const long long start = clock64();
         // (once one threadgroup gave up, the others stop waiting too: a second a barrier, not minutes)
-        while ((FLAVOR == 0 ? *(volatile unsigned*)poll : fc_ld_acquire(poll)) < target
+        while ((FLAVOR == 0 ? *(volatile unsigned*)poll : fc_ld_acquire(poll)) < goal
                && !*(volatile unsigned*)(sync + 1)) {
             if (FLAVOR == 2) __nanosleep(64);
             if (clock64() - start > (1ll << 31)) { atomicExch(sync + 1, 1u); break; }
@@ -576,9 +590,10 @@ PROBE_BODY = r"""
     for (unsigned i = 1; i <= ITERS; ++i) fc_grid_barrier<FLAVOR>(sync, i * gridDim.x);
 """
 
-BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3}
+BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3, "tree": 4}
 SYNC_WORDS = 64  # the least counter array: the counter, the flags, the release flag at word 32
 TIMES_AT = 16384  # --barrier-times: where the arrival and release times start in the counter array (words)
+TREE_WORDS = 8448 + 32 * 64  # the tree barrier's group counters (FC_GROUPS_AT in HEADER; up to 64 groups)
 
 
 @functools.cache
@@ -691,6 +706,8 @@ class Harness:
                  staged_tails: int = 0, tail_partials: bool = False, in_flight: int = 1, chunks: int = 0):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
+        if barrier == "tree":
+            self.sync_words = max(self.sync_words, TREE_WORDS)
         self.tails = tails
         self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
         self.tail_one = tail_one
@@ -840,7 +857,8 @@ def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters
         t0 = time.perf_counter()
         sync = k(inputs=[unused], template=[("ITERS", iters), ("FLAVOR", BARRIERS[flavor])],
                  grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
-                 output_shapes=[(max(SYNC_WORDS, sync_words),)], output_dtypes=[mx.uint32], init_value=0)[0]
+                 output_shapes=[(max(SYNC_WORDS, sync_words, TREE_WORDS if flavor == "tree" else 0),)],
+                 output_dtypes=[mx.uint32], init_value=0)[0]
         mx.eval(sync)
         if r:
             secs.append((time.perf_counter() - t0) / iters)
@@ -881,7 +899,8 @@ def main(argv=None):
     ap.add_argument("--barrier", choices=sorted(BARRIERS) + ["auto"], default="fence",
                     help="the fused kernels' grid barrier: fence (a fence, atomicAdd, volatile polls), acquire "
                          "(a release add, acquire polls), sleep (acquire polls with a short sleep), flag (the last to "
-                         "arrive releases the others through a flag), auto (the "
+                         "arrive releases the others through a flag), tree (in two levels: a counter for each group "
+                         "of 12 threadgroups, the last of a group adding to the top one), auto (the "
                          "probe's fastest, with its counter size; implies --probe) (default: fence)")
     ap.add_argument("--sync-words", type=int, default=SYNC_WORDS,
                     help=f"words of the barrier's counter array (a large one is an allocation of its own; "
@@ -964,7 +983,7 @@ def main(argv=None):
     if args.probe or args.barrier == "auto":
         timed = {}
         for flavor in sorted(BARRIERS):
-            for words in (SYNC_WORDS, 1 << 20):
+            for words in (TREE_WORDS if flavor == "tree" else SYNC_WORDS, 1 << 20):
                 sec = barrier_probe(args.sms * args.blocks_per_sm, args.threads, flavor, words)
                 print(f"barrier {flavor:8s} counter of {words:8d} words: "
                       + ("a wait gave up" if sec is None else f"{sec * 1e6:9.2f} us a barrier"), flush=True)
