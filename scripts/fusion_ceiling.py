@@ -364,12 +364,11 @@ __device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
 // add returns the count before it) releases the others through a flag of its own 128-byte line,
 // sync[32], which changes once a barrier where the counter changes once per threadgroup; 4: in two
 // levels, against the burst of 132 adds on one word when every threadgroup arrives at once: each adds to
-// its group's counter (FC_GROUP threadgroups a group, each counter on its own 128-byte line from
-// sync[FC_GROUPS_AT]), the last of a group adds to sync[0], and all poll sync[0] for every group
+// its group's counter (FC_GROUP threadgroups a group, groups[32 g], each on its own 128-byte line: see
+// sync_layout), the last of a group adds to sync[0], and all poll sync[0] for every group
 #define FC_GROUP 12
-#define FC_GROUPS_AT 8448
 template <int FLAVOR>
-__device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target) {
+__device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target, unsigned* groups) {
     __syncthreads();
     if (threadIdx.x == 0) {
         unsigned* poll = FLAVOR == 3 ? sync + 32 : sync;
@@ -380,7 +379,7 @@ __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target)
             goal = k * ((gridDim.x + FC_GROUP - 1) / FC_GROUP);
             unsigned before;
             asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-                         : "=r"(before) : "l"(sync + FC_GROUPS_AT + 32 * g) : "memory");
+                         : "=r"(before) : "l"(groups + 32 * g) : "memory");
             if (before + 1u == k * n) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(sync) : "memory");
         } else if (FLAVOR == 0) {
             __threadfence();
@@ -497,7 +496,7 @@ FUSED_BODY = r"""
                                       xs);
             ++tails;
             if (TAIL_ONE) {
-                fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
+                fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x, sync + GROUPS_AT);
                 seed = fc_sum_over<IN_U>(k, [&](int i) { return __ldcg(ys_all + i); });
             } else {
                 seed = fc_sum_over<IN_U>(k, [&](int i) { return ys[i]; });
@@ -528,7 +527,7 @@ FUSED_BODY = r"""
             }
         } else {
             // CHUNKS: the stage in gridDim.x * CHUNKS chunks, the first by threadgroup, the rest to whichever
-            // threadgroup asks first (a counter a stage, each on its own 128-byte line from sync[64]); each
+            // threadgroup asks first (a counter a stage, each on its own 128-byte line: sync_layout); each
             // asks for its next while it streams the one it has, so the atomic's round trip is hidden
             unsigned grab = 0u;
             if (CHUNKS && threadIdx.x == 0) grab = atomicAdd(sync + 64 + 32 * s, 1u);
@@ -577,7 +576,7 @@ FUSED_BODY = r"""
                 __syncthreads();
                 if (threadIdx.x == 0) at[0] = fc_now();
             }
-            fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x);
+            fc_grid_barrier<FLAVOR>(sync, ++arrivals * gridDim.x, sync + GROUPS_AT);
             if (TIMES && threadIdx.x == 0) at[1] = fc_now();
         }
     }
@@ -587,13 +586,33 @@ FUSED_BODY = r"""
 
 # ITERS grid barriers and nothing else: what one costs
 PROBE_BODY = r"""
-    for (unsigned i = 1; i <= ITERS; ++i) fc_grid_barrier<FLAVOR>(sync, i * gridDim.x);
+    for (unsigned i = 1; i <= ITERS; ++i) fc_grid_barrier<FLAVOR>(sync, i * gridDim.x, sync + 64);
 """
 
 BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3, "tree": 4}
 SYNC_WORDS = 64  # the least counter array: the counter, the flags, the release flag at word 32
-TIMES_AT = 16384  # --barrier-times: where the arrival and release times start in the counter array (words)
-TREE_WORDS = 8448 + 32 * 64  # the tree barrier's group counters (FC_GROUPS_AT in HEADER; up to 64 groups)
+FC_GROUP = 12  # the tree barrier's threadgroups a group (HEADER's FC_GROUP)
+
+
+def too_many_registers(barrier: str, in_flight: int, tail_by_one: bool) -> str | None:
+    """Why the fused kernel with ``--tail-partials`` and these settings cannot hold 1,024 threads an SM
+    (more than 64 registers a thread, NVRTC 13.5 for sm_90: 66-76), or None."""
+    if in_flight > 1:
+        return f"not with --in-flight {in_flight} (the kernel needs more than 64 registers a thread)"
+    if barrier == "tree" or (barrier == "flag" and tail_by_one):
+        return f"not with --barrier {barrier}" + (" and --tail-by-one" if tail_by_one else "") + \
+            " (the kernel needs more than 64 registers a thread)"
+    return None
+
+
+def sync_layout(stages: int, blocks: int) -> tuple[int, int, int]:
+    """The fused kernel's counter array, in words, each counter on its own 128-byte line: the barrier's
+    own 64 words, a chunk counter a stage (``--chunks``), a tree barrier's counter a group of FC_GROUP
+    threadgroups, then two 64-bit times a barrier and threadgroup (``--barrier-times``). Returns where
+    the group counters and the times start, and the words the whole array needs."""
+    groups_at = SYNC_WORDS + 32 * stages
+    times_at = groups_at + 32 * -(-blocks // FC_GROUP)
+    return groups_at, times_at, times_at + 4 * (stages - 1) * blocks
 
 
 @functools.cache
@@ -673,10 +692,11 @@ def barrier_waits(t: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def print_barrier_waits(t: np.ndarray, names: list[str]) -> None:
-    """``barrier_waits`` by the stage before each barrier (``names``), medians and sums, in µs."""
+    """``barrier_waits`` by the stage before each barrier (``names``): medians, means and maxima, in µs."""
     w = barrier_waits(t)
+    steps = np.diff(np.unique(t))
     print(f"barrier times, one token ({t.shape[0]} barriers x {t.shape[1]} threadgroups; clock steps seen: "
-          f"{np.min(np.diff(np.unique(t))) if t.size > 1 else 0} ns; first arrival to last release "
+          f"{steps.min() if steps.size else 0} ns; first arrival to last release "
           f"{(int(t[..., 1].max()) - int(t[..., 0].min())) / 1e6:.3f} ms):", flush=True)
     print(f"  {'after':14s} {'n':>4s}  skew: median  mean   max  lag: median  mean   max  wait: median  mean  (µs)")
     for name in dict.fromkeys(names):
@@ -706,8 +726,6 @@ class Harness:
                  staged_tails: int = 0, tail_partials: bool = False, in_flight: int = 1, chunks: int = 0):
         self.layers, self.g, self.threads = layers, g, threads
         self.flavor, self.sync_words = BARRIERS[barrier], max(SYNC_WORDS, sync_words)
-        if barrier == "tree":
-            self.sync_words = max(self.sync_words, TREE_WORDS)
         self.tails = tails
         self.ring = 0  # the fused kernels' ring, in chunks (main sets it per --rings value)
         self.tail_one = tail_one
@@ -716,8 +734,6 @@ class Harness:
         self.in_flight = in_flight  # loads at once in each pass over a vector (a stage's input, a tail's)
         self.chunks = chunks  # fused kernels: chunks a threadgroup a stage, handed out as asked for (0: slabs)
         self.times = 0  # 1: the fused kernels record each barrier's arrivals and releases (barrier_times)
-        if chunks:  # a counter a stage, each on its own 128-byte line after the barrier's words
-            self.sync_words = max(self.sync_words, SYNC_WORDS + 32 * sum(len(st) for st in layers))
         # separate_blocks: the separate launches' threadgroups (main sets it per --waves value)
         self.fused_blocks, self.separate_blocks = fused_blocks, 4 * sms
         self.k = _kernels()
@@ -780,15 +796,19 @@ class Harness:
         plan = mx.array(self._plan(layers))
         n = plan.shape[0]
         shared = ring_bytes(self.ring, self.threads, self.D, staged_vectors(self.staged, self.partials))
+        groups_at, times_at, words = sync_layout(n, self.fused_blocks)
+        # the array as asked for (its size alone moved the barriers' figures: thirty-fifth session), or
+        # larger where the chunks, the tree barrier or the times need it
+        need = words if self.times else times_at if self.chunks or self.flavor == BARRIERS["tree"] else 0
         return _fused_kernel(shared)(
             inputs=[self.w, self.wh, plan, prev, self.norms],
             template=[("STAGES", n), ("D", self.D), ("CAP", self.cap), ("BARRIERS", int(barriers)),
                       ("PREV_ACT", prev_act), ("PREV_HID", prev_hid), ("FLAVOR", self.flavor), ("RING", self.ring),
                       ("TAIL_ONE", int(self.tail_one)), ("STAGED", self.staged),
                       ("PARTIALS", int(self.partials)), ("IN_U", self.in_flight), ("CHUNKS", self.chunks),
-                      ("TIMES", self.times), ("TIMES_AT", TIMES_AT)],
+                      ("TIMES", self.times), ("TIMES_AT", times_at), ("GROUPS_AT", groups_at)],
             grid=(self.fused_blocks * self.threads, 1, 1), threadgroup=(self.threads, 1, 1),
-            output_shapes=[(self.state_size,), (self.sync_words,)], output_dtypes=[mx.float32, mx.uint32],
+            output_shapes=[(self.state_size,), (max(self.sync_words, need),)], output_dtypes=[mx.float32, mx.uint32],
             init_value=0)
 
     def _parity(self, layers):
@@ -808,19 +828,21 @@ class Harness:
     def barrier_times(self) -> np.ndarray:
         """A ``fused-token`` launch (after one of the same variant) that records, per barrier and threadgroup,
         when the threadgroup arrived and when it left (ns): [barriers, threadgroups, 2]."""
-        n = len(self._plan(self.layers)) - 1
-        saved = self.times, self.sync_words
-        self.times, self.sync_words = 1, max(self.sync_words, TIMES_AT + 4 * n * self.fused_blocks)
+        if self.tail_one or self.ring:  # (their own barriers would be counted, past the times' space)
+            raise ValueError("barrier_times: the fused kernel's own barriers only, not with tail_one or a ring")
+        stages = len(self._plan(self.layers))
+        n, (_, times_at, _) = stages - 1, sync_layout(stages, self.fused_blocks)
+        self.times = 1
         try:  # twice, the second recorded: a variant's first launch ran up to 7 x slower (thirty-seventh session)
             act, hid = self._parity(self.layers)
             for _ in range(2):
                 _, sync = self._fused(self.layers, mx.ones((self.state_size,)), True, act, hid)
                 mx.eval(sync)
         finally:
-            self.times, self.sync_words = saved
+            self.times = 0
         if int(sync[1].item()):
             sys.exit(f"--barrier-times: the launch raised flags {int(sync[1].item())} (see sync[1])")
-        return np.array(sync[TIMES_AT: TIMES_AT + 4 * n * self.fused_blocks]).view(np.uint64).reshape(
+        return np.array(sync[times_at: times_at + 4 * n * self.fused_blocks]).view(np.uint64).reshape(
             n, self.fused_blocks, 2)
 
     def fused_token(self, state, barriers=True):
@@ -857,7 +879,7 @@ def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters
         t0 = time.perf_counter()
         sync = k(inputs=[unused], template=[("ITERS", iters), ("FLAVOR", BARRIERS[flavor])],
                  grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1),
-                 output_shapes=[(max(SYNC_WORDS, sync_words, TREE_WORDS if flavor == "tree" else 0),)],
+                 output_shapes=[(max(SYNC_WORDS, sync_words, 64 + 32 * -(-blocks // FC_GROUP) if flavor == "tree" else 0),)],
                  output_dtypes=[mx.uint32], init_value=0)[0]
         mx.eval(sync)
         if r:
@@ -953,8 +975,10 @@ def main(argv=None):
         ap.error(f"--bytes-scale {args.bytes_scale}: expected a fraction from 0 to 1")
     if args.barrier_times and (args.tail_by_one or any(rings)):
         ap.error("--barrier-times: the fused kernel's own barriers only (not with --tail-by-one or --rings)")
-    if args.chunks < 0 or (args.chunks and any(rings)):
-        ap.error(f"--chunks {args.chunks}: a whole number, and not with --rings")
+    if not 0 <= args.chunks <= 64 or (args.chunks and any(rings)):
+        ap.error(f"--chunks {args.chunks}: a whole number up to 64, and not with --rings")
+    if args.tail_partials and too_many_registers(args.barrier, args.in_flight, args.tail_by_one):
+        ap.error(f"--tail-partials: {too_many_registers(args.barrier, args.in_flight, args.tail_by_one)}")
     staged = 2 if args.norms_ahead else int(args.staged_tails)
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
         need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd,
@@ -983,7 +1007,7 @@ def main(argv=None):
     if args.probe or args.barrier == "auto":
         timed = {}
         for flavor in sorted(BARRIERS):
-            for words in (TREE_WORDS if flavor == "tree" else SYNC_WORDS, 1 << 20):
+            for words in (SYNC_WORDS, 1 << 20):
                 sec = barrier_probe(args.sms * args.blocks_per_sm, args.threads, flavor, words)
                 print(f"barrier {flavor:8s} counter of {words:8d} words: "
                       + ("a wait gave up" if sec is None else f"{sec * 1e6:9.2f} us a barrier"), flush=True)
@@ -992,6 +1016,9 @@ def main(argv=None):
         if args.barrier == "auto":
             if not timed:
                 sys.exit("every barrier's wait gave up: the fused grid's threadgroups are not all resident")
+            if args.tail_partials:  # the flavors the partial-sum tails cannot take (too_many_registers)
+                timed = {k: v for k, v in timed.items()
+                         if not too_many_registers(k[0], args.in_flight, args.tail_by_one)}
             args.barrier, args.sync_words = min(timed, key=timed.get)
             print(f"fused kernels: barrier {args.barrier}, counter of {args.sync_words} words", flush=True)
     if not modes and not args.barrier_times:

@@ -85,7 +85,8 @@ def test_the_kernels_compile_for_the_gpu():
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     # every kernel with one load at a time and with four (--in-flight)
-    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks), ("TIMES", times), ("TIMES_AT", fc.TIMES_AT)])
+    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks), ("TIMES", times), ("TIMES_AT", 8448),
+                                      ("GROUPS_AT", 8256)])
              for u in (1, 4) for c in cases
              for chunks, times in (((0, 0), (4, 0), (0, 1)) if c[0] == "fusion_fused" and ("RING", 0) in c[-1]
                                    else ((0, 0),))]
@@ -126,10 +127,70 @@ def test_bytes_scale_outside_zero_to_one_is_refused(scale, capsys):
     assert e.value.code == 2 and f"--bytes-scale {float(scale)}: expected a fraction from 0 to 1" in capsys.readouterr().err
 
 
-def test_chunks_are_refused_with_a_ring(capsys):
+@pytest.mark.parametrize("extra", [["--chunks", "4", "--rings", "4"], ["--chunks", "65"], ["--chunks", "-1"]])
+def test_chunks_are_refused_with_a_ring_or_out_of_range(extra, capsys):
     with pytest.raises(SystemExit) as e:
-        fc.main(["--modes=", "--chunks", "4", "--rings", "4"])
-    assert e.value.code == 2 and "--chunks 4: a whole number, and not with --rings" in capsys.readouterr().err
+        fc.main(["--modes=", *extra])
+    assert e.value.code == 2 and f"--chunks {extra[1]}: a whole number up to 64, and not with --rings" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--in-flight", "4"], ["--in-flight", "2"], ["--barrier", "tree"],
+                                   ["--barrier", "flag", "--tail-by-one"]])
+def test_partial_sum_tails_are_refused_where_they_need_too_many_registers(extra, capsys):
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--modes=", "--tail-partials", *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--tail-partials: not with" in err and "more than 64 registers" in err
+
+
+@pytest.mark.parametrize("layers, blocks", [(52, 132), (53, 132), (102, 264), (52, 1056)])
+def test_the_counter_array_keeps_its_parts_apart(layers, blocks):
+    """The chunk counters (one a stage), the tree barrier's group counters and the times never overlap,
+    each counter on its own 128-byte line, for any stage count and grid (the thirty-seventh session's
+    review found fixed offsets that collided past 52 layers or 768 threadgroups)."""
+    stages = 5 * layers + 1
+    groups_at, times_at, words = fc.sync_layout(stages, blocks)
+    chunk_lines = {fc.SYNC_WORDS + 32 * s for s in range(stages)}
+    group_lines = {groups_at + 32 * g for g in range(-(-blocks // fc.FC_GROUP))}
+    assert min(chunk_lines) >= fc.SYNC_WORDS and not chunk_lines & group_lines
+    assert max(chunk_lines) < groups_at and max(group_lines) < times_at and times_at % 2 == 0
+    assert words == times_at + 4 * (stages - 1) * blocks  # two 64-bit times a barrier and threadgroup
+
+
+def test_the_fused_kernels_fit_1024_threads_an_sm():
+    """Where NVRTC is installed (not on CI): at the release geometry, the fused kernel forms the script
+    accepts at 1,024 threads need at most 64 registers a thread (the register file's 65,536 / 1,024), or
+    the grid could not be resident and every barrier would give up."""
+    from muse_mlx.kernels.cuda_prebuild import OWN_HEADER, Nvrtc, mlx_source
+
+    try:
+        nvrtc = Nvrtc()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    f32, u32, i32 = mx.float32, mx.uint32, mx.int32
+    groups_at, times_at, _ = fc.sync_layout(261, 132)
+    worst = {}
+    for flavor in (1, 4):
+        for staged, partials in ((0, 0), (1, 0), (2, 0), (0, 1)):
+            for in_u in ((1,) if partials else (1, 4)):
+                if partials and flavor == 4:
+                    continue  # refused (too_many_registers)
+                for chunks, times in ((0, 0), (4, 1)):
+                    t = [("STAGES", 261), ("D", 6656), ("CAP", 39936), ("BARRIERS", 1), ("PREV_ACT", 0),
+                         ("PREV_HID", 1), ("FLAVOR", flavor), ("RING", 0), ("TAIL_ONE", 0), ("STAGED", staged),
+                         ("PARTIALS", partials), ("IN_U", in_u), ("CHUNKS", chunks), ("TIMES", times),
+                         ("TIMES_AT", times_at), ("GROUPS_AT", groups_at)]
+                    source = OWN_HEADER + mlx_source("fusion_fused", fc.HEADER, fc.FUSED_BODY,
+                                                     ["w", "wh", "plan", "prev", "norms"], [u32, u32, i32, f32, f32],
+                                                     ["state", "sync"], [f32, u32], t)
+                    _, _, log = nvrtc.build(source, "sm_90", "mlx::core::cu::fusion_fused",
+                                            options=["--ptxas-options=-v"])
+                    used = [int(w) for line in str(log).splitlines() if "Used" in line
+                            for w, nxt in zip(line.split(), line.split()[1:]) if nxt.startswith("registers")]
+                    assert used, log
+                    worst[(flavor, staged, partials, in_u, chunks)] = used[0]
+    assert max(worst.values()) <= 64, {k: v for k, v in worst.items() if v > 64}
 
 
 def test_the_token_word_sum_is_every_planned_word_folded_once():
