@@ -116,7 +116,9 @@ def token_plan(g: Geometry = MUSE_GLIMMER_30B, vocab: int = RELEASE_VOCAB, mix: 
 
 # -- the kernels (CUDA) ----------------------------------------------------------------------
 
-HEADER = r"""
+FC_GROUP = 12  # the tree barrier's threadgroups a group (FLAVOR 4)
+
+HEADER = f"#define FC_GROUP {FC_GROUP}\n" + r"""
 #define FC_U 4  // 16-byte loads in flight per thread
 __device__ __forceinline__ float fc_block_sum(float v, float* red) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -366,7 +368,6 @@ __device__ __forceinline__ unsigned fc_ld_acquire(const unsigned* p) {
 // levels, against the burst of 132 adds on one word when every threadgroup arrives at once: each adds to
 // its group's counter (FC_GROUP threadgroups a group, groups[32 g], each on its own 128-byte line: see
 // sync_layout), the last of a group adds to sync[0], and all poll sync[0] for every group
-#define FC_GROUP 12
 template <int FLAVOR>
 __device__ __forceinline__ void fc_grid_barrier(unsigned* sync, unsigned target, unsigned* groups) {
     __syncthreads();
@@ -463,7 +464,6 @@ FUSED_BODY = r"""
     unsigned arrivals = 0u, total = 0u;
     int tails = 0, slot = 0;
     float shh = 0.0f;  // PARTIALS: the sum of the hidden's squares, from the tail before
-    // the hidden the next tail adds to: the launch before's, or the last tail's
     uint4 pre[FC_U];
     long long begin, end;
     FcCursor put{0, 0, 0, 0, 0};
@@ -591,7 +591,6 @@ PROBE_BODY = r"""
 
 BARRIERS = {"fence": 0, "acquire": 1, "sleep": 2, "flag": 3, "tree": 4}
 SYNC_WORDS = 64  # the least counter array: the counter, the flags, the release flag at word 32
-FC_GROUP = 12  # the tree barrier's threadgroups a group (HEADER's FC_GROUP)
 
 
 def too_many_registers(barrier: str, in_flight: int, tail_by_one: bool) -> str | None:
@@ -977,8 +976,8 @@ def main(argv=None):
         ap.error("--barrier-times: the fused kernel's own barriers only (not with --tail-by-one or --rings)")
     if not 0 <= args.chunks <= 64 or (args.chunks and any(rings)):
         ap.error(f"--chunks {args.chunks}: a whole number up to 64, and not with --rings")
-    if args.tail_partials and too_many_registers(args.barrier, args.in_flight, args.tail_by_one):
-        ap.error(f"--tail-partials: {too_many_registers(args.barrier, args.in_flight, args.tail_by_one)}")
+    if args.tail_partials and (why := too_many_registers(args.barrier, args.in_flight, args.tail_by_one)):
+        ap.error(f"--tail-partials: {why}")
     staged = 2 if args.norms_ahead else int(args.staged_tails)
     for r in rings:  # every threadgroup of a fused grid must be resident at once (the barriers)
         need = args.blocks_per_sm * (fused_shared_bytes(r, args.threads, MUSE_GLIMMER_30B.n_embd,

@@ -85,8 +85,9 @@ def test_the_kernels_compile_for_the_gpu():
         cases.append(("fusion_barrier_probe", fc.PROBE_BODY, ["unused"], [f32], ["sync"], [u32],
                       [("ITERS", 4), ("FLAVOR", flavor)]))
     # every kernel with one load at a time and with four (--in-flight)
-    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks), ("TIMES", times), ("TIMES_AT", 8448),
-                                      ("GROUPS_AT", 8256)])
+    groups_at, times_at, _ = fc.sync_layout(6, 132)
+    cases = [(*c[:-1], c[-1] + [("IN_U", u), ("CHUNKS", chunks), ("TIMES", times), ("TIMES_AT", times_at),
+                                      ("GROUPS_AT", groups_at)])
              for u in (1, 4) for c in cases
              for chunks, times in (((0, 0), (4, 0), (0, 1)) if c[0] == "fusion_fused" and ("RING", 0) in c[-1]
                                    else ((0, 0),))]
