@@ -27,7 +27,7 @@ def kv_write_mode() -> str:
       written, and the cache takes them as its planes: no write follows (THRU in
       ``attention.metal``; copy threadgroups of its own copy the other rows). On the H200 a token
       launches 52 kernels fewer and the GPU waits far less for the host (twenty-seventh session,
-      docs/performance.md: the q8 route 167.7 tok/s, the exact one 129.7-129.8 against 128.0-128.2);
+      docs/performance-history.md: the q8 route 167.7 tok/s, the exact one 129.7-129.8 against 128.0-128.2);
     * ``layer``: the attention hands the token's K/V out and a scatter writes them into the
       planes right after it.
 

@@ -49,7 +49,7 @@ class GenerationResponse:
 
 # how a prompt is pre-filled: the dtype a batched prefill dequantizes to (None: matvecs), and
 # every how many layers it is evaluated (bounding the dequantized matrices alive at once). On the
-# H200 (docs/performance.md, fifth session), with each group started before the previous one is
+# H200 (docs/performance-history.md, fifth session), with each group started before the previous one is
 # waited for, every layer is as fast as any longer period in both modes and needs the least memory
 PREFILL_MODES = {"batched": (mx.float32, 1), "batched-f16": (mx.float16, 1), "exact": (None, 0)}
 

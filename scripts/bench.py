@@ -90,7 +90,7 @@ def memory_bandwidths(n_bytes: int) -> tuple[float, float]:
     """Bytes per second over one array of ``n_bytes``: read + written by a chain of plain copies
     (``a + 0``), and read by sums (nothing written but a scalar). On the H200 a stream that only
     reads goes faster than the copies count (the split Q6_K head read 4.06 TB/s where the copy gave
-    3.62-3.74; docs/performance.md, thirty-first session)."""
+    3.62-3.74; docs/performance-history.md, thirty-first session)."""
     a = mx.random.uniform(shape=(n_bytes // 4,))
     mx.eval(a)
 

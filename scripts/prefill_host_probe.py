@@ -14,7 +14,7 @@ one bound by the host spends it in ``async_eval``.
 op to start them, then the wait for them.
 
 MLX's own settings (the ``MLX_*`` variables, e.g. ``MLX_USE_CUDA_GRAPHS=0``) are printed first.
-Results: docs/performance.md (fifth session).
+Results: docs/performance-history.md (fifth session).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ F32 = mx.float32
 # grid has ceil(cap / CMAX) splits (a static shape) and the empty ones return at once.
 CMAX = 32
 # Threads of a partial-pass threadgroup, per backend. 256 on CUDA (twenty-fifth session,
-# docs/performance.md: 10.9 against 12.1 us a layer on the H200 at 4,096 keys): the partial pass is
+# docs/performance-history.md: 10.9 against 12.1 us a layer on the H200 at 4,096 keys): the partial pass is
 # bound by latency (two threadgroups an SM there), so more threads each carry fewer of the same
 # chains, and the output chains are cut into head slices (head_slices). Metal keeps 128 (no Mac here
 # to time it). MUSE_MLX_ATTN_PARTIAL_THREADS overrides it (partial_threads); the bits are the same
@@ -35,7 +35,7 @@ NT = 128
 PARTIAL_THREADS = {"cuda": 256, "record": 256}  # (a recorded call follows CUDA's, as kernel_sass.py expects)
 # Splits whose outputs the combine loads at once (the first CB of them before anything else).
 # MUSE_MLX_ATTN_COMBINE_SPLITS overrides it (combine_splits); the chain is the same either way, so
-# the bits are. On the H200 at ctx 4,096 (twenty-fifth session, docs/performance.md): 5.2 us a layer
+# the bits are. On the H200 at ctx 4,096 (twenty-fifth session, docs/performance-history.md): 5.2 us a layer
 # at 64, against 5.4-5.8 before the first round was loaded first; 8.4 at 128 (174 registers).
 CB = 64
 # attn_decode_fused: caches of at most FUSED_SPLITS splits (1,024 positions) take one dispatch

@@ -261,7 +261,7 @@ def variants_launched(which: str | None = None) -> int:
     """How many kernel variants (a kernel with one set of launch bounds, template values and
     dtypes) this process has launched on backend ``which`` (default: every GPU backend). MLX builds
     each at its first launch: on CUDA one NVRTC compile of about a second (1.04-1.86 s on a 2-core
-    CPU: thirty-second session, docs/performance.md), in every process, since MLX keeps no custom
+    CPU: thirty-second session, docs/performance-history.md), in every process, since MLX keeps no custom
     kernel's build on disk (``MUSE_MLX_CUDA_PREBUILD``: :mod:`.cuda_prebuild`)."""
     return sum(1 for v in Kernel.launched if which is None or v[0] == which)
 

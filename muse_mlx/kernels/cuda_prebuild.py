@@ -4,7 +4,7 @@ compile them at their first launch (the default on CUDA; ``MUSE_MLX_CUDA_PREBUIL
 Why: MLX (0.32) compiles a custom kernel with NVRTC at its first launch in every process and
 never writes the result to its disk cache (``CustomKernel::eval_gpu`` asks ``get_jit_module`` not
 to), about 1.2 s a variant on a 2-core CPU, of which 1.05 s is the ``<cooperative_groups.h>`` its
-default header includes (thirty-second session, ``docs/performance.md``). But ``JitModule`` still *reads* that
+default header includes (thirty-second session, ``docs/performance-history.md``). But ``JitModule`` still *reads* that
 cache (``MLX_PTX_CACHE_DIR``, by default ``<temp>/mlx/<version>/ptx``) for a custom kernel, under
 the name it gives the module: the kernel's name, ``_``, and the hex of ``std::hash<std::string>``
 of the source it builds. So, at a variant's first launch, this module rebuilds that source as MLX
@@ -54,7 +54,7 @@ _MASK = (1 << 64) - 1
 
 def enabled() -> bool:
     """``MUSE_MLX_CUDA_PREBUILD``: ``1`` (the default since an H100 run checked MLX's names and the
-    bits, 2026-12-05: docs/performance.md) builds ahead, ``0`` leaves every build to MLX."""
+    bits, 2026-12-05: docs/performance-history.md) builds ahead, ``0`` leaves every build to MLX."""
     text = os.environ.get("MUSE_MLX_CUDA_PREBUILD", "1")
     if text not in ("0", "1"):
         raise ValueError(f"MUSE_MLX_CUDA_PREBUILD={text!r}: expected 0 or 1")

@@ -5,7 +5,7 @@ log-sum-exp that makes them log-probabilities, and the check that stops on NaN o
 MLX's ops that is ``logsumexp``, the subtraction, ``argmax``, ``isfinite`` and ``all``: five
 launches, and MLX's
 argmax over a 202,048-value row alone took 22-33 µs on the H200 (one threadgroup reads the row;
-docs/performance.md). :func:`logit_stats` reads it once with 256 threadgroups and merges their
+docs/performance-history.md). :func:`logit_stats` reads it once with 256 threadgroups and merges their
 states in a second launch.
 
 Not pinned: llama.cpp's samplers are not reproduced. The argmax is exact by definition (the first

@@ -201,11 +201,11 @@ def mul_mv_q6_K_oracle(y, w) -> mx.array:
 # loads per row in a round (U), and how many rounds early each round's loads are issued (P).
 # They decide occupancy, load sharing and latency hiding, never bits
 # (each row is one SIMD group's butterfly over lanes whose sums do not depend on them). "ggml"
-# is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance.md).
+# is llama.cpp's; "tuned" is the one the engine launches, per backend (docs/performance-history.md).
 MV_GEOMETRIES = {
     "ggml": (2, 2, 1, 0),
     # H200, 2026-12-01, timed inside a real decode (scripts/gpu_timeline.py --geometries, per
-    # kernel; docs/performance.md): two blocks of loads in flight (U = 2) take the Q6_K ffn_down
+    # kernel; docs/performance-history.md): two blocks of loads in flight (U = 2) take the Q6_K ffn_down
     # from 88.7 to 64.3 us and the GLU from 74.0 to 70.0 us; the Q4_K ffn_down alone prefers U = 1
     # (42.6 vs 46.4 us), a smaller loss. Whole token 12.34 -> 11.47 ms. (bench.py's isolated
     # timings, which replay one matrix, had shown no geometry clearly ahead: part of a replayed
@@ -252,11 +252,11 @@ _GEOMETRY_ENV = {"q4_K": ("MUSE_MLX_MV_GEOMETRY",),
 # per value, and with it the tails' prepared activations (q4K_prep): 13-16 % fewer instructions in
 # the GLU's and the projections' loops (kernel_sass.py, NVRTC 13.5; docs/kernels.md). On CUDA since
 # the eleventh session: bit for bit on the H200 (`gpu_check.py --only q4_forms`) and 113.0 against
-# 111.0 tok/s at context 128 on the same machine (docs/performance.md). 2: form 1, and the block's
+# 111.0 tok/s at context 128 on the same machine (docs/performance-history.md). 2: form 1, and the block's
 # scales and mins as subnormal halves too, picked by byte permutes (against activations scaled by
 # 2^48/2^56, run sums by 2^24: exact below |y| = 2^72, HALVES_RANGE): 8 % fewer instructions in
 # the GLU's loop and the multi kernel's, 5 % in the lone kernel's. Per geometry kind, since the
-# kinds took it differently on the H200 (twenty-first session, docs/performance.md): the GLU 3.5 %
+# kinds took it differently on the H200 (twenty-first session, docs/performance-history.md): the GLU 3.5 %
 # faster with 2, the lone ffn_down 18 % slower (NVRTC issues two of its activation loads after the
 # arithmetic that needs the first six: a second wait on memory each round), the multi kernel no
 # faster. Metal: 0, since whether half subnormals survive there is unchecked (no Mac).
@@ -273,7 +273,7 @@ _HALVES_ENV = {"q4_K": ("MUSE_MLX_Q4K_HALVES_GLU", "MUSE_MLX_Q4K_HALVES"),
 # S > 0 a SIMD group copies the next S - 1 rounds' blocks (576 bytes a row each) into threadgroup
 # memory, on NVIDIA with asynchronous copies that hold no registers, and each lane reads its words
 # from there: the same words, so the same bits. It needs U = 1 and leaves P unused. Timed inside
-# the decode on the H200 (twenty-second session, docs/performance.md): the GLU 54.3-54.6 us at S = 2
+# the decode on the H200 (twenty-second session, docs/performance-history.md): the GLU 54.3-54.6 us at S = 2
 # against 57.6-57.9 with register loads (and 59.2 at S = 4), 125.0 against 122.3 tok/s at ctx 128.
 # At their 2x2x1x1 the lone kernel's ffn_down ran 1.5 % faster at S = 2 but its attn_output 5 % slower
 # and the multi kernel 1 % slower (two rows a round carry the copies); at four rows a SIMD group
@@ -304,7 +304,7 @@ def q4K_stages(which: str, kind: str, geometry: tuple[int, int, int, int]) -> in
 # still loaded into registers P = S - 1 rounds ahead. "q6_K" is the lone Q6_K matrix (a ffn_down),
 # "q6_K head" the vocabulary head, whose tuned geometry has U = 2 (so no staging by default, and
 # MUSE_MLX_Q6K_STAGES_HEAD needs MUSE_MLX_MV_GEOMETRY_HEAD with U = 1). Timed inside the decode on
-# the H200 (twenty-second session, docs/performance.md): the ffn_down 42.1 us at S = 2 against
+# the H200 (twenty-second session, docs/performance-history.md): the ffn_down 42.1 us at S = 2 against
 # 42.6-42.7 with register loads in both alternations (46.5 at S = 3), so S = 2 there; Metal: none.
 Q6K_STAGES = {"cuda": {"q6_K": 2, "q6_K head": 0}}
 _Q6K_STAGES_ENV = {"q6_K": ("MUSE_MLX_Q6K_STAGES",), "q6_K head": ("MUSE_MLX_Q6K_STAGES_HEAD",)}
@@ -372,7 +372,7 @@ def q4K_halves(which: str, kind: str) -> int:
 # exact kernels, per backend. A raw Q6_K block is 210 bytes, so the exact lanes read it 2 bytes at
 # a time: eleven loads per block and row where the split form takes four (q6K_load_round). The
 # words, so the bits, are the same; the switch is MUSE_MLX_Q6K_SPLIT=0|1. On by default on CUDA
-# (nineteenth session, docs/performance.md); Metal keeps the reference's layout (no Mac here to
+# (nineteenth session, docs/performance-history.md); Metal keeps the reference's layout (no Mac here to
 # time it on).
 Q6K_SPLIT = {"cuda": 1}
 
@@ -389,7 +389,7 @@ def q6K_split(which: str) -> bool:
 # so the bits are too. Form 1 spills 28 bytes prepared (kernel_sass.py, NVRTC 13.5), and on the
 # H200 16 warps lost there (thirteenth session: 63.4-63.5 against 61.5-62.1 us; twenty-first:
 # 64.2-64.5 against 61.1-61.9). Form 2 fits 128 with no spill, and 16 warps win (twenty-first
-# session, docs/performance.md: 57.6-58.0 against 58.8-59.1 us, 0.06 ms a token).
+# session, docs/performance-history.md: 57.6-58.0 against 58.8-59.1 us, 0.06 ms a token).
 GLU_WARPS = {"cuda": {2: 16}}
 
 
@@ -439,7 +439,7 @@ def head_min_blocks(which: str, geometry: tuple[int, int, int, int]) -> int:
 # multi kernel (q|k|v|gate) are compiled for on CUDA (0: ptxas's own choice). Unbounded they hold
 # 95-96 registers, 20 warps per SM, so the release's 1,664 and 2,176 threadgroups of two warps
 # run in 1.26 and 1.65 waves, and issue on 45-60 % of the cycles (ncu on the H200, nineteenth
-# session, docs/performance.md). A bound buys a fuller last wave with registers; the bits cannot
+# session, docs/performance-history.md). A bound buys a fuller last wave with registers; the bits cannot
 # change (the same instructions, allocated differently). Timed in the twentieth session, 24 warps
 # lost: the Q4_K ffn_down 50.7 against 39.5 us, attn_output 12.0 against 9.7, the multi kernel
 # 20.6 against 18.0 (spills and 9-11 % more instructions cost more than the fuller wave). So none.
@@ -778,12 +778,12 @@ def _q8_geometry(which: str) -> tuple[int, int]:
 # 6,656-row call at the GLU's geometry fills 104 threadgroups of 4 SIMD groups, under one per SM.
 FEW_ROWS = 65536
 # CUDA: the fastest of 14 over the split Q6_K ffn_down and projections (bench.py --parts q8, H200,
-# 2026-12-02); inside the decode the ffn_down then ran 29.4 us, against 55.5 exact (docs/performance.md)
+# 2026-12-02); inside the decode the ffn_down then ran 29.4 us, against 55.5 exact (docs/performance-history.md)
 Q8_PRE_FEW_GEOMETRY = {"cuda": (4, 4, 32, 1)}
 Q8_PRE_FEW_GEOMETRY["cpu"] = Q8_PRE_FEW_GEOMETRY["cuda"]  # LPR fixes the bits: the CPU's oracle takes CUDA's
 # The calls of more rows (the vocabulary head) likewise. CUDA: inside the H200's decode the split
 # Q6_K head ran 277 us at 4x8x32x1 against 320 at the GLU's 2x4x4x1, which it took before (280 at
-# 2x4x8x1, 285-288 at 2x8x16x1, 324-325 at 1x8x8x1; docs/performance.md, twenty-eighth session).
+# 2x4x8x1, 285-288 at 2x8x16x1, 324-325 at 1x8x8x1; docs/performance-history.md, twenty-eighth session).
 Q8_PRE_MANY_GEOMETRY = {"cuda": (4, 8, 32, 1)}
 Q8_PRE_MANY_GEOMETRY["cpu"] = Q8_PRE_MANY_GEOMETRY["cuda"]
 
@@ -823,7 +823,7 @@ def q8_pre_geometry(which: str, call: str = "glu") -> tuple[int, int, int, int]:
 def _q8_pre(kinds, glu: bool, quantized: bool = False) -> bool:
     """Whether a call on matrices of these kinds takes quantize_q8 + mul_mv_q8_pre: by
     default the GLU, where it is the faster on the H200 (the per-threadgroup kernel was faster on
-    the other calls, measured inside the decode: docs/performance.md), and any all-Q4_K call whose
+    the other calls, measured inside the decode: docs/performance-history.md), and any all-Q4_K call whose
     activations come ``quantized`` already (by the kernel before it: no quantize_q8 dispatch, and
     mul_mv_q8_pre was the faster kernel on every such call, ``MUSE_MLX_Q8_PRE=all``'s trace);
     ``MUSE_MLX_Q8_PRE=all``: every all-Q4_K call, ``0``: none. A call with a split Q6_K matrix
@@ -864,7 +864,7 @@ def q8_from_glu() -> bool:
 
 # Rows a tile of the q8 GLU's gate and up matrices, per backend (1: raw rows). On the H200 the GLU
 # takes 41.9-42.4 us a call in tiles against 46.2-46.5 on raw rows, the q8 route's token 0.2 ms
-# less (thirty-first session, docs/performance.md); not yet timed on a Mac.
+# less (thirty-first session, docs/performance-history.md); not yet timed on a Mac.
 Q8_TILE = {"cuda": 16}
 
 
@@ -888,7 +888,7 @@ def q8_from_attention() -> bool:
     it through ``mul_mv_q8_pre`` at 32 lanes a row: the per-threadgroup kernel's bits, with no
     quantization in each of its threadgroups. ``MUSE_MLX_Q8_ATTN=1`` (the default: on the H200
     attn_output 6.35 us a call against 8.4-9.4, the attention 0.3-0.4 us more, about 0.09 ms a token
-    less in kernels; twenty-seventh session, docs/performance.md) or ``0``."""
+    less in kernels; twenty-seventh session, docs/performance-history.md) or ``0``."""
     return bool(_switch("MUSE_MLX_Q8_ATTN", True))
 
 
