@@ -888,6 +888,17 @@ def barrier_probe(blocks: int, threads: int, flavor: str, sync_words: int, iters
     return statistics.median(secs)
 
 
+def not_launched(err: Exception, threads: int) -> str | None:
+    """Why a case did not launch, where the driver refused its build for this grid ("too many resources
+    requested for launch": its own compile of the kernel needs more registers than ``threads`` threads
+    an SM allow, which NVRTC here may not show); None for any other error, which is the script's own."""
+    text = str(err)
+    if "too many resources requested for launch" not in text:
+        return None
+    return (f"not run: the driver's build needs more registers a thread than {threads} threads an SM allow "
+            f"({text.strip()})")
+
+
 def _time(step, carry, tokens: int, runs: int) -> list[float]:
     """Seconds per token of ``runs`` timed runs of ``tokens`` chained steps, after a warm-up run."""
     out = []
@@ -1054,8 +1065,15 @@ def main(argv=None):
                 flags.append(f)
                 return s
             carry = state0
-        secs = _time(step, carry, args.tokens, args.runs)
         label = f"{m} ({v} waves)" if m.startswith("separate") else f"{m} (ring {v})" if v else m
+        try:
+            secs = _time(step, carry, args.tokens, args.runs)
+        except RuntimeError as err:
+            why = not_launched(err, args.threads * args.blocks_per_sm)
+            if why is None:
+                raise
+            print(f"{label}: {why}", flush=True)
+            continue
         if not m.startswith("separate"):
             # per token: (flags, checksum) of each launch
             per = [np.array(f, dtype=np.uint64).reshape(-1, 2) for f in flags]

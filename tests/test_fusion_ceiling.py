@@ -224,3 +224,11 @@ def test_barrier_times_are_refused_with_a_tail_by_one(capsys):
     with pytest.raises(SystemExit) as e:
         fc.main(["--modes=", "--barrier-times", "--tail-by-one"])
     assert e.value.code == 2 and "--barrier-times: the fused kernel's own barriers only" in capsys.readouterr().err
+
+
+def test_a_launch_the_driver_refuses_is_reported_and_any_other_error_is_not():
+    err = RuntimeError("cudaGraphInstantiate(&handle_, graph, nullptr, nullptr, 0) failed: too many resources "
+                       "requested for launch")
+    why = fc.not_launched(err, 1024)
+    assert why.startswith("not run:") and "1024 threads an SM" in why and "too many resources" in why
+    assert fc.not_launched(RuntimeError("an illegal memory access was encountered"), 1024) is None
