@@ -44,11 +44,12 @@ def test_cached_decode_equals_full_forward(tiny, arch, chunks):
 
 
 def test_cached_decode_with_f16_planes_equals_full_forward(tiny):
-    """The default f16 cache: the same planes are read either way, so only float32 rounding moves."""
+    """The default f16 cache: the same planes are read either way, so only float32 rounding moves
+    (measured 1e-4; planes kept in float32 on one side move the logits by 2.5e-3)."""
     model = load_model(tiny("muse-glimmer"))
     full = _full(model, TOKENS)
     stepped, _ = _decode(model, TOKENS, [1] * len(TOKENS))
-    np.testing.assert_allclose(stepped, full, rtol=0, atol=2e-3)
+    np.testing.assert_allclose(stepped, full, rtol=0, atol=5e-4)
 
 
 def test_sliding_cache_keeps_only_the_window(tiny):
@@ -162,15 +163,21 @@ def _general_step(model, token, cache):
 
 
 def test_sliding_cache_memory_is_bounded_over_long_decode(tiny):
-    """Past the window, the sliding layers' cache bytes stop growing."""
+    """Past the window, each sliding layer holds exactly ``window`` f16 slots of K and V, however
+    long the decode runs (past the global layers' first growth step too), and the global layers grow."""
     model = load_model(tiny("muse-glimmer"))
-    cache = model.make_cache()
-    sizes = []
-    for i in range(40):
+    cfg, cache = model.cfg, model.make_cache()
+    n_swa = sum(cfg.swa_layers)
+    assert 0 < n_swa < cfg.n_layer
+    ring_bytes = n_swa * 2 * cfg.n_head_kv * cfg.head_dim * 2 * cfg.sliding_window
+    steps = RingKVCache.step + cfg.sliding_window + 8
+    for i in range(steps):
         model(mx.array([[i % 300]]), cache)
         mx.eval([c.state for c in cache])
-        sizes.append(sum(c.nbytes for c, s in zip(cache, model.cfg.swa_layers) if s))
-    assert len(set(sizes[10:])) == 1 and sizes[10] < sizes[-1] + 1
+        if i >= cfg.sliding_window:
+            assert sum(c.nbytes for c, s in zip(cache, cfg.swa_layers) if s) == ring_bytes, i
+    assert all(c.capacity == cfg.sliding_window for c, s in zip(cache, cfg.swa_layers) if s)
+    assert all(c.capacity >= steps for c, s in zip(cache, cfg.swa_layers) if not s)
 
 
 def test_decode_step_takes_the_planes_the_attention_hands_out(tiny, monkeypatch):
