@@ -9,7 +9,8 @@ from reference import RefModel
 
 from muse_mlx import load_model
 from muse_mlx.config import ARCHITECTURES
-from muse_mlx.writer import Geometry
+from muse_mlx.routes import ROUTES
+from muse_mlx.writer import QUANT_MIXES, Geometry
 
 TOKENS = [3, 17, 250, 99, 42, 7, 300, 12, 5, 64, 128, 1, 255, 77, 31, 8, 200, 150, 9, 10]  # 20 > window 8
 
@@ -30,6 +31,16 @@ def test_forward_matches_float64_reference_with_f32_kv(tiny, arch, mix):
     ours = logits(load_model(path), TOKENS, mx.float32)
     ref = RefModel(path, kv_f16=False).forward(TOKENS)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=3e-5)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("mix", QUANT_MIXES)
+def test_every_quant_mix_on_both_routes_matches_float64_reference(tiny, mix, route):
+    """Each mix's dequantization (F16, Q8_0, Q5_K, Q6_K, Q4_K + Q6_K) and each route's
+    matvecs against float64 on gguf-py's weights, K/V in float32: the bound of the test above."""
+    path = tiny("muse-glimmer", mix)
+    ours = logits(load_model(path, route), TOKENS, mx.float32)
+    np.testing.assert_allclose(ours, RefModel(path, kv_f16=False).forward(TOKENS), rtol=0, atol=3e-5)
 
 
 def test_forward_matches_float64_reference_with_f16_kv(tiny, arch):
