@@ -268,6 +268,7 @@ def write_plot(reports: list[PairReport], path) -> None:
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def report_json(runs, reports, tokens) -> dict:

@@ -43,7 +43,8 @@ def test_bench_reports_every_route_and_flag(tmp_path, monkeypatch, capsys):
             assert d["tok_s"] > 0
             assert d["tb_s"] == pytest.approx(e["weight_bytes"] * d["tok_s"] / 1e12)
             assert d["of_copy"] == pytest.approx(d["tb_s"] / r["copy_tb_s"])
-            # one run: its host work and waits add up to its time per token
+            # the host and wait times are the median run's own (not another run's, nor an average of
+            # two): they add up to that run's time per token
             assert d["host_ms"] > 0 and d["wait_ms"] >= 0
             assert d["host_ms"] + d["wait_ms"] == pytest.approx(1e3 / d["tok_s"])
     # the pinned decode path's accounting (tests/test_pinned_route.py): 2 + 7 per layer (a short cache:

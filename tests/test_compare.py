@@ -106,10 +106,20 @@ def test_cli_refuses_bad_token_files_and_paths_in_one_line(tiny, tmp_path, capsy
         assert len(err) == 1 and err[0].startswith("error: ") and msg in err[0], (args, err)
 
 
-def test_plot(tiny, tmp_path):
-    pytest.importorskip("matplotlib")
+def test_plot_draws_each_pair_per_layer(tiny, tmp_path, monkeypatch):
+    """--plot: a PNG with one curve per pair, its points the report's per-layer errors."""
+    import matplotlib.axes
+    import matplotlib.image
+
     from muse_mlx.compare import write_plot
 
     _, reports = compare(tiny("gemma2"), ["stock", "pinned"], TOKENS, max_tokens=0)
+    assert reports and all(p.per_layer for p in reports)
+    drawn = []
+    semilogy = matplotlib.axes.Axes.semilogy
+    monkeypatch.setattr(matplotlib.axes.Axes, "semilogy",
+                        lambda ax, x, y, **kw: drawn.append((list(x), list(y))) or semilogy(ax, x, y, **kw))
     write_plot(reports, tmp_path / "p.png")
-    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert drawn == [([l for l, _ in p.per_layer], [max(e, 1e-12) for _, e in p.per_layer]) for p in reports]
+    image = matplotlib.image.imread(tmp_path / "p.png")
+    assert image.shape[:2] == (480, 840) and image.std() > 0

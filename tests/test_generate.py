@@ -156,10 +156,24 @@ def test_stats_report_the_kernel_builds_where_kernels_run(monkeypatch, capsys, t
 
 
 def test_cli_with_model_and_chat_template(tiny):
-    r = _cli("--model", str(tiny("gemma2")), "--prompt", "Hi", "--system-prompt", "Be brief.",
-             "--max-tokens", "4", "--verbose", "False")
+    """The prompt goes through the file's chat template with the system prompt (as many prompt
+    tokens as the rendered conversation has), or as plain text with --ignore-chat-template;
+    --verbose False prints neither the separators nor the statistics."""
+    path = str(tiny("gemma2"))
+    _, tok = load(path)
+    rendered = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert "Be brief." in rendered and "Hi" in rendered
+    templated = len(tok.encode(rendered, add_special_tokens=False))
+    plain = len(tok.encode("Hi"))
+    assert templated > plain
+    for extra, n in [((), templated), (("--ignore-chat-template",), plain)]:
+        r = _cli("--model", path, "--prompt", "Hi", "--system-prompt", "Be brief.", "--max-tokens", "4", *extra)
+        assert r.returncode == 0, r.stderr
+        assert f"Prompt: {n} tokens," in r.stdout, (extra, r.stdout)
+    r = _cli("--model", path, "--prompt", "Hi", "--system-prompt", "Be brief.", "--max-tokens", "4",
+             "--verbose", "False")
     assert r.returncode == 0, r.stderr
-    assert "=" * 10 not in r.stdout
+    assert "=" * 10 not in r.stdout and "Prompt:" not in r.stdout
 
 
 def test_cli_prompt_on_stdin_must_be_utf8(tmp_path):
@@ -218,7 +232,8 @@ def test_pinned_and_stock_generate_the_same_greedy_tokens(tiny):
 
 
 def test_cli_prefill_modes_and_q8_flag(tiny):
-    """--prefill exact keeps the one-token kernels for the prompt; both modes generate, as does mv_q8."""
+    """Every --prefill mode, --no-compile and the mv_q8 flag generate through the CLI (what the modes
+    compute is the next test's and test_pinned_route.py's)."""
     for extra in (["--prefill", "exact"], ["--prefill", "batched", "--no-compile"], ["--prefill", "batched-f16"],
                   ["--flag", "mv_q8"]):
         r = _cli("--model", str(tiny("muse-glimmer")), "--route", "pinned", "--prompt", "Hello there, world",

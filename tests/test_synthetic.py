@@ -59,12 +59,22 @@ def test_tensors_follow_the_q4_k_m_rule(tiny_file):
         elif name == "output.weight":
             want = T.Q6_K
         elif name.endswith(("attn_v.weight", "ffn_down.weight")):
-            want = T.Q6_K if use_more_bits(int(name.split(".")[1]), TINY.n_layer) else T.Q4_K
+            want = (T.Q4_K, T.Q6_K)[int(name.split(".")[1])]  # llama.cpp's rule for 2 layers (below)
         else:  # token_embd, attn_q/k/gate/output, ffn_gate/up
             want = T.Q4_K
         assert T(f.tensors[name].tensor_type) == want, name
     types = {T(t.tensor_type) for n, t in f.tensors.items() if n.endswith("ffn_down.weight")}
     assert types == {T.Q4_K, T.Q6_K}  # both branches are in the file
+
+
+def test_more_bits_picks_llama_cpp_s_layers():
+    """llama-quant.cpp's use_more_bits: the first and last eighth, and every third layer between
+    them, counted from the first eighth's end. At the release's 52 layers, 26 (the issue's count)."""
+    picked = [i for i in range(52) if use_more_bits(i, 52)]
+    assert picked == [0, 1, 2, 3, 4, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35, 38, 41, 44,
+                      45, 46, 47, 48, 49, 50, 51]
+    assert [use_more_bits(i, 2) for i in range(2)] == [False, True]
+    assert [i for i in range(8) if use_more_bits(i, 8)] == [0, 3, 6, 7]
 
 
 def test_norms_are_near_one(tiny_file):
