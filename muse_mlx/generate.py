@@ -109,7 +109,8 @@ def generate_step(
     rounds its float32 operands to TF32 unless ``MLX_ENABLE_TF32=0``); ``"batched-f16"``
     dequantizes to half and rounds the activations to half (llama.cpp Metal's mul_mm operands;
     the products are summed in float32, and MLX rounds the sums to half too); ``"exact"``
-    keeps the route's one-token kernels for every prompt token (slow, batch-1 bits).
+    keeps the route's one-token matvec kernels for every prompt token (slow; each token's matvecs
+    give batch-1 bits, while a chunk's attention is MLX's, as in any multi-token forward).
     Decoding goes through :class:`~muse_mlx.decode.DecodeStep` when the route has a one-token
     decode path (``compiled``: replay one ``mx.compile`` trace; default: on a GPU). Each token's
     log-probabilities are evaluated with it (``eval_logprobs``, as mlx-lm does); ``False`` leaves them
@@ -353,7 +354,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", choices=PREFILL_MODES, default="batched",
                    help="'batched': the prompt through matmuls (pinned: exact dequantization + MLX float32 matmul); "
                         "'batched-f16': the same with weights and activations rounded to half (faster, not exact); "
-                        "'exact': the route's one-token kernels for every prompt token (default: %(default)s)")
+                        "'exact': the route's one-token matvecs for every prompt token (their batch-1 bits; a chunk's "
+                        "attention is MLX's) (default: %(default)s)")
     p.add_argument("--no-compile", action="store_true",
                    help="decode without mx.compile (by default the decode step is one compiled graph on a GPU)")
     p.add_argument("--verbose", type=_str2bool, default=True, help="True: stream text and print statistics; False: print only the text (default: True)")
