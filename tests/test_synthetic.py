@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
-
 from reference import RefModel
 
 from muse_mlx import load
@@ -106,7 +105,7 @@ def test_every_block_scale_is_small_positive_finite(tiny_file):
 
 
 @pytest.mark.parametrize("mix", QUANT_MIXES)
-def test_other_mixes_and_fallback_types_match_float64_reference(tmp_path, mix):
+def test_every_mix_and_fallback_types_match_float64_reference(tmp_path, mix):
     """n_embd 288 and n_ff 272 are not whole 256-blocks: tensor_type falls back to Q8_0 and F16
     there. The logits (K/V in float32) against float64 on gguf-py's weights, as test_model.py's.
 
@@ -119,7 +118,7 @@ def test_other_mixes_and_fallback_types_match_float64_reference(tmp_path, mix):
         model.kv_dtype = mx.float32
         ids = tok.encode("Hello world")
         ours = np.array(model(mx.array([ids]))[0], np.float64)
-        ref = RefModel(str(path), kv_f16=False).forward(ids)
+        ref = RefModel(path, kv_f16=False).forward(ids)
         np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-5 * np.abs(ref).max())
 
 
